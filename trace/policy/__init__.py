@@ -1,0 +1,1 @@
+"""Policy models, tokenizers, ReAct formatting and generation backends."""

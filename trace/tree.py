@@ -1,0 +1,262 @@
+"""Rollout trees: node records and pure tree operations.
+
+A rollout tree holds every trajectory sampled for one prompt in one training step. The root node is the
+prompt (its tokens are the chat/ReAct context the policy starts from); every other node is one turn: the
+policy's generated tokens followed by the tool's observation tokens (the last turn of a trajectory has no
+observation). A node's children are continuations sampled from its prefix. A leaf ends a trajectory and
+carries the verifier's reward.
+
+Invariants kept here:
+- ``node_id`` is unique within a tree and equals the node's index in ``RolloutTree.nodes``;
+  a parent always comes before its children (``parent_id < node_id``).
+- Groups are formed by explicit ids (``prompt_uid``, ``tree_id``, ``node_id``), never by position.
+- ``prompt_uid = f"{data_source}/{example_id}"`` so two data sources that share row numbers never collide.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Iterator
+
+import numpy as np
+
+ROOT_PARENT_ID = -1
+
+
+class Origin(str, Enum):
+    """How a node came to be."""
+
+    PROMPT = "prompt"  # the root
+    ROLLOUT = "rollout"  # a turn of a bare root rollout (stage 1)
+    BRANCH = "branch"  # a turn of a continuation sampled from an anchor (stage 2)
+
+
+class FinishReason(str, Enum):
+    """Why a trajectory ended at this leaf ("" on non-leaf nodes)."""
+
+    NONE = ""
+    TERMINATED = "terminated"  # the environment ended the episode (final answer given); reward is real
+    MAX_TURNS = "max_turns"  # truncated: the turn limit was reached without a final answer
+    MAX_TOKENS = "max_tokens"  # truncated: a turn hit the per-turn token limit
+    MAX_CONTEXT = "max_context"  # truncated: the context would exceed the model's window
+
+    @property
+    def is_truncated(self) -> bool:
+        return self in (FinishReason.MAX_TURNS, FinishReason.MAX_TOKENS, FinishReason.MAX_CONTEXT)
+
+
+def make_prompt_uid(data_source: str, example_id: str) -> str:
+    """Return the prompt's identity ``"<data_source>/<example_id>"``.
+
+    Raises:
+        ValueError: if either part is empty or ``data_source`` contains ``/``.
+    """
+    if not data_source or not str(example_id):
+        raise ValueError(f"data_source and example_id must be non-empty, got {data_source!r}, {example_id!r}")
+    if "/" in data_source:
+        raise ValueError(f"data_source {data_source!r} must not contain '/'")
+    return f"{data_source}/{example_id}"
+
+
+@dataclass
+class Node:
+    """One node of a rollout tree: the root (prompt) or one turn.
+
+    Attributes:
+        node_id: index of the node in its tree (root is 0).
+        parent_id: ``node_id`` of the parent, ``-1`` for the root.
+        turn_idx: 0-based turn position along the trajectory; ``-1`` for the root.
+        origin: ``Origin`` of the node.
+        branch_anchor_id: for ``BRANCH`` nodes, the anchor node the continuation was sampled from
+            (the parent of the continuation's first turn); ``-1`` otherwise.
+        text: decoded text of the node (policy action text + observation text).
+        token_ids: (T,) int token ids of the node, in context order: generated tokens then observation.
+        logprobs: (T,) float log-probabilities (nats) of ``token_ids`` under the sampling policy;
+            0.0 on tokens the policy did not generate.
+        loss_mask: (T,) int, 1 exactly on tokens the policy generated, 0 on prompt/observation tokens.
+        action_text: the policy's generated text of this turn ("" for the root).
+        observation_text: the tool's observation appended after the action ("" for root and terminal turn).
+        reward: the verifier's reward at a leaf (``None`` elsewhere).
+        finish_reason: ``FinishReason`` at a leaf, ``NONE`` elsewhere.
+        pred_success_prob: predictor output ``V_hat(H)`` at this prefix, if it was scored.
+        true_success_prob: the environment's true ``V(H)`` where it knows it (simulator), else ``None``.
+        num_branches: continuations allocated from this node as an anchor (stage 2 ``K``), 0 if none.
+        advantage: advantage of the leaf row / node, once computed.
+        num_tool_calls: tool calls made in this turn (0 or 1 for ReAct turns).
+        env_state: in-memory environment state after this node (not stored on disk).
+    """
+
+    node_id: int
+    parent_id: int
+    turn_idx: int
+    origin: Origin
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    action_text: str = ""
+    observation_text: str = ""
+    branch_anchor_id: int = -1
+    reward: float | None = None
+    finish_reason: FinishReason = FinishReason.NONE
+    pred_success_prob: float | None = None
+    true_success_prob: float | None = None
+    num_branches: int = 0
+    advantage: float | None = None
+    num_tool_calls: int = 0
+    env_state: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent_id == ROOT_PARENT_ID
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return int(sum(self.loss_mask))
+
+
+@dataclass
+class RolloutTree:
+    """All trajectories sampled for one prompt in one step.
+
+    Attributes:
+        tree_id: unique id, ``f"{ablation}/{step}/{prompt_uid}"`` by convention.
+        prompt_uid: ``make_prompt_uid(data_source, example_id)``.
+        data_source: dataset / environment name (e.g. ``"kgqa"``, ``"hotpotqa"``).
+        example_id: id of the example within its data source.
+        step: training step (``-1`` for seed rollouts and evaluation).
+        ablation: name of the ablation that sampled the tree.
+        nodes: list of ``Node``; ``nodes[0]`` is the root.
+    """
+
+    tree_id: str
+    prompt_uid: str
+    data_source: str
+    example_id: str
+    step: int = -1
+    ablation: str = ""
+    nodes: list[Node] = field(default_factory=list)
+
+    # ---- construction -------------------------------------------------------------------------
+    def add_node(self, parent_id: int, **fields: Any) -> Node:
+        """Append a child of ``parent_id`` and return it (``node_id`` assigned here).
+
+        Raises:
+            ValueError: if ``parent_id`` is not an existing node (or ``-1`` for an empty tree).
+        """
+        node_id = len(self.nodes)
+        if parent_id == ROOT_PARENT_ID:
+            if self.nodes:
+                raise ValueError(f"tree {self.tree_id} already has a root")
+        elif not 0 <= parent_id < node_id:
+            raise ValueError(f"tree {self.tree_id}: parent_id {parent_id} does not exist (have {node_id} nodes)")
+        node = Node(node_id=node_id, parent_id=parent_id, **fields)
+        self.nodes.append(node)
+        return node
+
+    # ---- structure ----------------------------------------------------------------------------
+    @property
+    def root(self) -> Node:
+        return self.nodes[0]
+
+    def children(self) -> list[list[int]]:
+        """Return ``children[node_id]`` = ids of the node's children, in id order."""
+        out: list[list[int]] = [[] for _ in self.nodes]
+        for node in self.nodes[1:]:
+            out[node.parent_id].append(node.node_id)
+        return out
+
+    def leaves(self) -> list[Node]:
+        """Nodes with no children (excluding a root with no rollouts)."""
+        has_child = np.zeros(len(self.nodes), dtype=bool)
+        for node in self.nodes[1:]:
+            has_child[node.parent_id] = True
+        return [n for n in self.nodes[1:] if not has_child[n.node_id]]
+
+    def path(self, node_id: int) -> list[Node]:
+        """Nodes from the root to ``node_id`` inclusive."""
+        out = []
+        while node_id != ROOT_PARENT_ID:
+            node = self.nodes[node_id]
+            out.append(node)
+            node_id = node.parent_id
+        return out[::-1]
+
+    def depth(self, node_id: int) -> int:
+        """Number of turns from the root to the node (root 0)."""
+        return len(self.path(node_id)) - 1
+
+    def prefix_token_ids(self, node_id: int) -> list[int]:
+        """Token ids of the prefix ``H`` ending at ``node_id`` (root tokens + every turn on the path)."""
+        ids: list[int] = []
+        for node in self.path(node_id):
+            ids.extend(node.token_ids)
+        return ids
+
+    def prefix_text(self, node_id: int, sep: str = " ") -> str:
+        """Text of the prefix ``H`` ending at ``node_id``: root text (the prompt) then each turn's text."""
+        return sep.join(n.text for n in self.path(node_id) if n.text)
+
+    def iter_leaf_paths(self) -> Iterator[tuple[Node, list[Node]]]:
+        """Yield ``(leaf, path)`` for each leaf, root first on the path."""
+        for leaf in self.leaves():
+            yield leaf, self.path(leaf.node_id)
+
+    # ---- rewards ------------------------------------------------------------------------------
+    def leaf_rewards(self) -> np.ndarray:
+        """(L,) float64 rewards of the leaves in ``leaves()`` order; truncated leaves count as given."""
+        return np.array([0.0 if n.reward is None else float(n.reward) for n in self.leaves()], dtype=np.float64)
+
+    def subtree_stats(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per node: number of descendant leaves and their summed reward.
+
+        Returns:
+            (num_leaves, reward_sum): two (N,) float64 arrays indexed by ``node_id``; a leaf counts itself.
+        """
+        n = len(self.nodes)
+        num_leaves = np.zeros(n, dtype=np.float64)
+        reward_sum = np.zeros(n, dtype=np.float64)
+        has_child = np.zeros(n, dtype=bool)
+        for node in self.nodes[1:]:
+            has_child[node.parent_id] = True
+        for node in self.nodes[1:]:
+            if not has_child[node.node_id]:
+                num_leaves[node.node_id] = 1.0
+                reward_sum[node.node_id] = 0.0 if node.reward is None else float(node.reward)
+        # parents precede children, so one reverse sweep accumulates bottom-up
+        for node in reversed(self.nodes[1:]):
+            num_leaves[node.parent_id] += num_leaves[node.node_id]
+            reward_sum[node.parent_id] += reward_sum[node.node_id]
+        return num_leaves, reward_sum
+
+    def node_success_labels(self) -> tuple[np.ndarray, np.ndarray]:
+        """Predictor labels: mean descendant-leaf reward of every node, and its weight (leaf count).
+
+        Returns:
+            (label, weight): (N,) float64; ``label = reward_sum / num_leaves`` (0 where no leaves).
+
+        References:
+            DESIGN.md section 1, "The predictor": labels are the mean reward of descendant leaves,
+            weighted by their count.
+        """
+        num_leaves, reward_sum = self.subtree_stats()
+        label = np.divide(reward_sum, num_leaves, out=np.zeros_like(reward_sum), where=num_leaves > 0)
+        return label, num_leaves
+
+    def num_trajectories(self) -> int:
+        """Number of leaves (root rollouts + continuations)."""
+        return len(self.leaves())
+
+    def num_generated_tokens(self) -> int:
+        return int(sum(n.num_generated_tokens for n in self.nodes))
+
+    def num_tool_calls(self) -> int:
+        return int(sum(n.num_tool_calls for n in self.nodes))
+
+    def copy_without_state(self) -> "RolloutTree":
+        """A deep copy with ``env_state`` dropped (what is written to disk)."""
+        nodes = [dataclasses.replace(n, token_ids=list(n.token_ids), logprobs=list(n.logprobs),
+                                     loss_mask=list(n.loss_mask), env_state=None) for n in self.nodes]
+        return dataclasses.replace(self, nodes=nodes)
