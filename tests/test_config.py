@@ -1,0 +1,79 @@
+from pathlib import Path
+
+import pytest
+
+from trace.config import Ablation, Config, ConfigError, config_from_dict, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_repository_params_file_loads():
+    cfg = load_config(ROOT / "params.yaml")
+    assert isinstance(cfg, Config)
+    assert cfg.allocation.root_budget >= cfg.allocation.m_min
+
+
+def test_unknown_key_is_refused_with_key_and_fix():
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"allocation": {"root_budgett": 5}})
+    msg = str(err.value)
+    assert "allocation.root_budgett" in msg and "unknown key" in msg
+
+
+@pytest.mark.parametrize("section,key,value,needle", [
+    ("allocation", "trajectory_budget", 0, "allocation.trajectory_budget"),
+    ("allocation", "trajectory_budget", -4, "allocation.trajectory_budget"),
+    ("allocation", "m_min", 1, "allocation.m_min"),
+    ("allocation", "expansion_ratio", -0.5, "allocation.expansion_ratio"),
+    ("advantages", "estimator", "gae", "advantages.estimator"),
+    ("predictor", "kind", "crystal_ball", "predictor.kind"),
+    ("update", "zero_stage", 4, "update.zero_stage"),
+    ("task", "name", "chess", "task.name"),
+])
+def test_invalid_values_are_refused_naming_the_key_and_value(section, key, value, needle):
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({section: {key: value}})
+    assert needle in str(err.value) and repr(value) in str(err.value)
+
+
+def test_m_max_below_m_min_is_refused_with_the_fix():
+    with pytest.raises(ConfigError, match="m_max >= m_min"):
+        config_from_dict({"allocation": {"m_min": 4, "m_max": 3}})
+
+
+def test_unknown_ablation_lists_valid_names():
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"train": {"ablations": ["grpo", "magic"]}})
+    assert "magic" in str(err.value) and "trace_prefix" in str(err.value)
+
+
+def test_enum_valued_estimator_lists_valid_choices():
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"advantages": {"estimator": "gae"}})
+    assert "tree_grpo" in str(err.value)
+
+
+def test_overrides_apply_dotted_keys(tmp_path):
+    p = tmp_path / "params.yaml"
+    p.write_text("train:\n  num_steps: 5\n")
+    cfg = load_config(p, overrides={"train.num_steps": 2, "allocation.m_max": 8})
+    assert cfg.train.num_steps == 2 and cfg.allocation.m_max == 8
+
+
+def test_missing_and_malformed_files_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(bad)
+
+
+def test_params_hash_changes_with_a_param_and_is_stable():
+    a, b = config_from_dict({}), config_from_dict({"train": {"num_steps": 7}})
+    assert a.params_hash() == config_from_dict({}).params_hash()
+    assert a.params_hash() != b.params_hash()
+
+
+def test_default_ablations_are_every_arm():
+    assert set(config_from_dict({}).train.ablations) == set(Ablation)

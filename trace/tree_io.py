@@ -1,0 +1,220 @@
+"""Rollout trees on disk: Parquet, one row per node, explicit schema, atomic writes, validating reads.
+
+Layout: ``<root>/ablation=<name>/step=<step>/trees.parquet`` (hive-style partitions, so pyarrow / pandas /
+DuckDB read a whole run as one dataset). Every file carries ``trace.schema_version`` in its schema metadata;
+a reader refuses files of another version, files missing a column, truncated files, and rows that do not
+form valid trees, naming the file and the problem. Writes go to a temporary file in the same folder and are
+renamed into place, so a killed writer never leaves a partial file under the final name.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from trace.tree import FinishReason, Node, Origin, RolloutTree
+
+SCHEMA_VERSION = 1
+_VERSION_KEY = b"trace.schema_version"
+
+NODE_SCHEMA = pa.schema(
+    [
+        pa.field("tree_id", pa.string(), nullable=False),
+        pa.field("prompt_uid", pa.string(), nullable=False),
+        pa.field("data_source", pa.string(), nullable=False),
+        pa.field("example_id", pa.string(), nullable=False),
+        pa.field("ablation", pa.string(), nullable=False),
+        pa.field("step", pa.int32(), nullable=False),
+        pa.field("node_id", pa.int32(), nullable=False),
+        pa.field("parent_id", pa.int32(), nullable=False),
+        pa.field("turn_idx", pa.int32(), nullable=False),
+        pa.field("origin", pa.string(), nullable=False),
+        pa.field("branch_anchor_id", pa.int32(), nullable=False),
+        pa.field("text", pa.string(), nullable=False),
+        pa.field("action_text", pa.string(), nullable=False),
+        pa.field("observation_text", pa.string(), nullable=False),
+        pa.field("token_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("logprobs", pa.list_(pa.float32()), nullable=False),
+        pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),
+        pa.field("reward", pa.float64()),
+        pa.field("finish_reason", pa.string(), nullable=False),
+        pa.field("pred_success_prob", pa.float64()),
+        pa.field("true_success_prob", pa.float64()),
+        pa.field("num_branches", pa.int32(), nullable=False),
+        pa.field("advantage", pa.float64()),
+        pa.field("num_tool_calls", pa.int32(), nullable=False),
+    ],
+    metadata={_VERSION_KEY: str(SCHEMA_VERSION).encode()},
+)
+
+_TREE_FIELDS = ("tree_id", "prompt_uid", "data_source", "example_id", "ablation", "step")
+
+
+class TreeFileError(ValueError):
+    """A Parquet file of rollout trees is missing, truncated, foreign, of another version, or inconsistent."""
+
+
+def tree_path(root: str | Path, ablation: str, step: int) -> Path:
+    """Partition file for one ablation and step: ``root/ablation=<a>/step=<s>/trees.parquet``."""
+    return Path(root) / f"ablation={ablation}" / f"step={step:06d}" / "trees.parquet"
+
+
+def trees_to_table(trees: Iterable[RolloutTree]) -> pa.Table:
+    """One row per node, in tree then ``node_id`` order."""
+    cols: dict[str, list] = {f.name: [] for f in NODE_SCHEMA}
+    for tree in trees:
+        for node in tree.nodes:
+            for name in _TREE_FIELDS:
+                cols[name].append(getattr(tree, name))
+            cols["node_id"].append(node.node_id)
+            cols["parent_id"].append(node.parent_id)
+            cols["turn_idx"].append(node.turn_idx)
+            cols["origin"].append(Origin(node.origin).value)
+            cols["branch_anchor_id"].append(node.branch_anchor_id)
+            cols["text"].append(node.text)
+            cols["action_text"].append(node.action_text)
+            cols["observation_text"].append(node.observation_text)
+            cols["token_ids"].append(list(node.token_ids))
+            cols["logprobs"].append(list(node.logprobs))
+            cols["loss_mask"].append(list(node.loss_mask))
+            cols["reward"].append(node.reward)
+            cols["finish_reason"].append(FinishReason(node.finish_reason).value)
+            cols["pred_success_prob"].append(node.pred_success_prob)
+            cols["true_success_prob"].append(node.true_success_prob)
+            cols["num_branches"].append(node.num_branches)
+            cols["advantage"].append(node.advantage)
+            cols["num_tool_calls"].append(node.num_tool_calls)
+    return pa.table(cols, schema=NODE_SCHEMA)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same folder and an atomic rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_trees(trees: Sequence[RolloutTree], path: str | Path) -> Path:
+    """Write trees to one Parquet file atomically (temporary file in the same folder, then rename).
+
+    Returns:
+        The final path.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = trees_to_table(trees)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        pq.write_table(table, tmp, compression="zstd")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _check_schema(schema: pa.Schema, path: Path) -> None:
+    meta = schema.metadata or {}
+    if _VERSION_KEY not in meta:
+        raise TreeFileError(f"{path}: not a trace rollout-tree file (no {_VERSION_KEY.decode()} in its metadata)")
+    version = meta[_VERSION_KEY].decode()
+    if version != str(SCHEMA_VERSION):
+        raise TreeFileError(
+            f"{path}: schema version {version}, this code reads version {SCHEMA_VERSION}; "
+            "regenerate it with this version (dvc repro) or read it with the matching release")
+    missing = [f.name for f in NODE_SCHEMA if f.name not in schema.names]
+    if missing:
+        raise TreeFileError(f"{path}: missing column(s) {missing}; the file is not a complete tree table")
+
+
+def read_trees(path: str | Path) -> list[RolloutTree]:
+    """Read and validate a Parquet file written by ``write_trees``.
+
+    Raises:
+        TreeFileError: the file is missing, unreadable or truncated, of another schema version, lacks a
+            column, or its rows do not form valid trees (root first, parents before children). No partial
+            list of trees is ever returned.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise TreeFileError(f"{path}: no such file")
+    try:
+        schema = pq.read_schema(path)
+    except Exception as err:  # pyarrow raises several types for corrupt files
+        raise TreeFileError(f"{path}: unreadable or truncated Parquet file ({err})") from None
+    _check_schema(schema, path)
+    try:
+        table = pq.read_table(path, columns=[f.name for f in NODE_SCHEMA])
+    except Exception as err:
+        raise TreeFileError(f"{path}: unreadable or truncated Parquet file ({err})") from None
+    return table_to_trees(table, str(path))
+
+
+def table_to_trees(table: pa.Table, source: str = "<table>") -> list[RolloutTree]:
+    """Rebuild trees from node rows.
+
+    Raises:
+        TreeFileError: rows of a tree are out of order or reference a missing parent.
+    """
+    rows = table.to_pylist()
+    trees: list[RolloutTree] = []
+    current: RolloutTree | None = None
+    for row_idx, row in enumerate(rows):
+        if current is None or row["tree_id"] != current.tree_id:
+            if row["node_id"] != 0 or row["parent_id"] != -1:
+                raise TreeFileError(f"{source}: row {row_idx} starts tree {row['tree_id']!r} without a root node")
+            current = RolloutTree(**{k: row[k] for k in _TREE_FIELDS})
+            trees.append(current)
+        if row["node_id"] != len(current.nodes):
+            raise TreeFileError(
+                f"{source}: row {row_idx} of tree {current.tree_id!r} has node_id {row['node_id']}, "
+                f"expected {len(current.nodes)} (rows must be in node order)")
+        if row["node_id"] > 0 and not 0 <= row["parent_id"] < row["node_id"]:
+            raise TreeFileError(f"{source}: row {row_idx}: parent_id {row['parent_id']} is not an earlier node")
+        current.nodes.append(
+            Node(
+                node_id=row["node_id"],
+                parent_id=row["parent_id"],
+                turn_idx=row["turn_idx"],
+                origin=Origin(row["origin"]),
+                branch_anchor_id=row["branch_anchor_id"],
+                text=row["text"],
+                action_text=row["action_text"],
+                observation_text=row["observation_text"],
+                token_ids=list(row["token_ids"]),
+                logprobs=list(row["logprobs"]),
+                loss_mask=list(row["loss_mask"]),
+                reward=row["reward"],
+                finish_reason=FinishReason(row["finish_reason"]),
+                pred_success_prob=row["pred_success_prob"],
+                true_success_prob=row["true_success_prob"],
+                num_branches=row["num_branches"],
+                advantage=row["advantage"],
+                num_tool_calls=row["num_tool_calls"],
+            ))
+    return trees
+
+
+def read_tree_dataset(root: str | Path, ablation: str | None = None) -> list[RolloutTree]:
+    """Read every partition under ``root`` (optionally one ablation), in (ablation, step) order."""
+    root = Path(root)
+    pattern = f"ablation={ablation}/step=*/trees.parquet" if ablation else "ablation=*/step=*/trees.parquet"
+    out: list[RolloutTree] = []
+    for path in sorted(root.glob(pattern)):
+        out.extend(read_trees(path))
+    return out
