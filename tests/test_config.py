@@ -77,3 +77,9 @@ def test_params_hash_changes_with_a_param_and_is_stable():
 
 def test_default_ablations_are_every_arm():
     assert set(config_from_dict({}).train.ablations) == set(Ablation)
+
+
+def test_params_hash_ignores_the_arm_list_and_orchestration():
+    a = config_from_dict({"train": {"ablations": ["grpo"]}})
+    b = config_from_dict({"train": {"ablations": ["grpo", "trace"], "steps_per_task": 3}})
+    assert a.params_hash() == b.params_hash()

@@ -255,6 +255,8 @@ class TrainConfig(_Section):
     num_steps: int = Field(60, ge=0, description="RL steps per ablation")
     checkpoint_every: int = Field(10, ge=1, description="save a resumable checkpoint every N steps")
     steps_per_task: int = Field(10, ge=1, description="training steps per Prefect task (orchestration overhead)")
+    eval_every: int = Field(20, ge=1, description="greedy accuracy on held-out prompts every N steps (and at the end)")
+    eval_prompts: int = Field(100, ge=1, description="held-out prompts for the in-training evaluation")
     ablations: tuple[Ablation, ...] = Field(tuple(Ablation), description="arms run by train@<ablation>")
 
     @field_validator("ablations", mode="before")
@@ -302,8 +304,16 @@ class Config(_Section):
     tracking: TrackingConfig = TrackingConfig()
 
     def params_hash(self) -> str:
-        """sha256 (first 12 hex chars) of the canonical JSON of the config."""
-        blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
+        """sha256 (first 12 hex chars) of the canonical JSON of every param that can change a result.
+
+        Left out: the list of arms (``train.ablations``: adding an arm must not invalidate the others),
+        ``train.steps_per_task`` (orchestration only) and ``tracking``.
+        """
+        data = self.model_dump(mode="json")
+        data["train"].pop("ablations", None)
+        data["train"].pop("steps_per_task", None)
+        data.pop("tracking", None)
+        blob = json.dumps(data, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -50,6 +51,11 @@ def flatten_params(params: Mapping) -> dict[str, str]:
     return {k: str(v)[:6000] for k, v in flat.items()}
 
 
+def metric_key(name: str) -> str:
+    """A key MLflow accepts: ``@`` becomes ``_at_``, any other character it refuses becomes ``_``."""
+    return re.sub(r"[^0-9A-Za-z_\-. :/]", "_", name.replace("@", "_at_"))
+
+
 class StageRun:
     """An open MLflow run with batched metric logging."""
 
@@ -62,7 +68,7 @@ class StageRun:
         from mlflow.entities import Metric
 
         ts = int(time.time() * 1000)
-        batch = [Metric(key=k.replace("@", "_at_"), value=float(v), timestamp=ts, step=step or 0)
+        batch = [Metric(key=metric_key(k), value=float(v), timestamp=ts, step=step or 0)
                  for k, v in metrics.items()
                  if isinstance(v, (int, float)) and math.isfinite(float(v))]
         for i in range(0, len(batch), 900):

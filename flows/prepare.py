@@ -1,0 +1,51 @@
+"""Stage ``prepare``: materialise the task's train and eval prompts as JSON lines under data/prepared."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from prefect import flow
+
+from flows.common import PREPARED, build_environment, load_stage_config, open_run, section_params, setup_process_env, \
+    stage_args, write_json
+
+
+def task_prompts(cfg, env, split: str):
+    """Prompts of a split: the environment's own (generated tasks) or the task's data files."""
+    if hasattr(env, "prompts"):
+        return list(env.prompts(split))
+    from trace.data import load_prompts
+
+    return load_prompts(cfg.task, split)
+
+
+@flow(name="prepare", log_prints=True)
+def prepare_flow(params: str) -> dict:
+    from trace.config import load_config
+    from trace.prepared import save_prompts
+
+    cfg = load_config(params)
+    env = build_environment(cfg)
+    summary = {}
+    with open_run(cfg, "prepare", section_params(cfg, "seed", "task")) as run:
+        for split in ("train", "eval"):
+            prompts = task_prompts(cfg, env, split)
+            save_prompts(prompts, PREPARED / f"{split}.jsonl")
+            summary[f"{split}/num_prompts"] = len(prompts)
+            hops = Counter(p.meta.get("num_hops") for p in prompts if p.meta.get("num_hops") is not None)
+            summary.update({f"{split}/hops{h}": n for h, n in sorted(hops.items())})
+        write_json(PREPARED / "summary.json", summary)
+        run.log_metrics({f"prepare/{k}": v for k, v in summary.items()})
+    print(f"prepared {summary}")
+    return summary
+
+
+def main(argv=None) -> None:
+    setup_process_env()
+    args = stage_args(__doc__.splitlines()[0], argv=argv)
+    load_stage_config(args)  # fail fast on bad params, before Prefect starts
+    prepare_flow(args.params)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""Stage ``seed_rollouts``: rollouts of the warmed-up policy, the predictor's warm-start data."""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from flows.common import DATA, SEED_TREES, WARMUP_MODEL, build_environment, load_stage_config, load_stage_policy, \
+    open_run, read_split, section_params, setup_process_env, stage_args, write_json
+
+
+@flow(name="seed_rollouts", log_prints=True)
+def seed_rollouts_flow(params: str) -> dict:
+    from trace.config import load_config
+    from trace.loop import collect_seed_rollouts, step_rng
+    from trace.metrics import rollout_metrics
+    from trace.tree_io import write_trees
+
+    cfg = load_config(params)
+    env = build_environment(cfg)
+    train = read_split("train")
+    policy = load_stage_policy(cfg, WARMUP_MODEL)
+    rng = step_rng(cfg.seed, -1, "seed_prompts")
+    pick = rng.choice(len(train), size=min(cfg.seed_rollouts.num_prompts, len(train)), replace=False)
+    prompts = [train[i] for i in sorted(pick)]
+    with open_run(cfg, "seed_rollouts", section_params(cfg, "seed", "seed_rollouts", "rollout")) as run:
+        trees = collect_seed_rollouts(policy, env, prompts, cfg)
+        write_trees([t.copy_without_state() for t in trees], SEED_TREES / "trees.parquet")
+        metrics = {f"seed/{k}": v for k, v in rollout_metrics(trees).items()}
+        run.log_metrics(metrics)
+        write_json(DATA / "metrics" / "seed_rollouts.json", metrics)
+    print({k: round(v, 4) for k, v in metrics.items()})
+    return metrics
+
+
+def main(argv=None) -> None:
+    setup_process_env()
+    args = stage_args(__doc__.splitlines()[0], argv=argv)
+    load_stage_config(args)
+    seed_rollouts_flow(args.params)
+
+
+if __name__ == "__main__":
+    main()

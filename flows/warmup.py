@@ -1,0 +1,64 @@
+"""Stage ``warmup``: build the policy and fine-tune it on solver demonstrations into a mixed-success band.
+
+The tiny default policy is a Qwen3 model built from ``policy`` params with a word-level tokenizer over the
+task's vocabulary; a pretrained policy (``policy.kind: pretrained``) is loaded as is and SFT is skipped
+unless the task has a solver. The kept weights and the held-out accuracy after warmup are the baseline
+every ablation's evaluation is compared with.
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from flows.common import DATA, WARMUP_MODEL, build_environment, load_stage_config, open_run, read_split, \
+    section_params, setup_process_env, stage_args, write_json
+
+
+def build_policy(cfg, env):
+    from trace.policy.model import build_tiny_policy, load_pretrained_policy
+
+    if cfg.policy.kind == "tiny":
+        if not hasattr(env, "vocabulary"):
+            raise ValueError(f"policy.kind=tiny needs a task with a closed vocabulary; task {cfg.task.name.value} "
+                             "has none: use policy.kind=pretrained")
+        return build_tiny_policy(cfg.policy, env.vocabulary(), cfg.seed)
+    return load_pretrained_policy(cfg.policy, env.observation_marker)
+
+
+@flow(name="warmup", log_prints=True)
+def warmup_flow(params: str) -> dict:
+    from trace.config import load_config
+    from trace.loop import evaluate_policy, run_warmup
+    from trace.policy.model import save_policy
+
+    cfg = load_config(params)
+    env = build_environment(cfg)
+    train, evals = read_split("train"), read_split("eval")
+    policy = build_policy(cfg, env)
+    with open_run(cfg, "warmup", section_params(cfg, "seed", "task", "policy", "warmup", "rollout")) as run:
+        summary: dict = {"warmup/num_parameters": policy.num_parameters}
+        if cfg.warmup.enabled and hasattr(env, "solve"):
+            result = run_warmup(policy, env, train, cfg, log_metrics=lambda m, s: run.log_metrics(m, s))
+            summary.update({"warmup/chosen_step": result.chosen_step, "warmup/chosen_success": result.chosen_success})
+            run.set_tags({"warmup.reason": result.reason})
+            print(f"warmup kept step {result.chosen_step} (train success {result.chosen_success:.3f}): {result.reason}")
+        metrics, _ = evaluate_policy(policy, env, evals[: cfg.evaluate.num_prompts], cfg.rollout, seed=cfg.seed,
+                                     max_context_tokens=cfg.policy.max_context_tokens, pass_k=cfg.evaluate.pass_k,
+                                     temperature=cfg.evaluate.temperature)
+        summary.update(metrics)
+        run.log_metrics(summary)
+        save_policy(policy, WARMUP_MODEL)
+        write_json(DATA / "metrics" / "warmup.json", summary)
+    print({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()})
+    return summary
+
+
+def main(argv=None) -> None:
+    setup_process_env()
+    args = stage_args(__doc__.splitlines()[0], argv=argv)
+    load_stage_config(args)
+    warmup_flow(args.params)
+
+
+if __name__ == "__main__":
+    main()

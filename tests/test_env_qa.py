@@ -1,0 +1,271 @@
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from trace.config import DataFileConfig, TaskConfig, TaskName
+from trace.data import DataError, load_prompts, make_task_environment
+from trace.envs.answers import answer_f1, normalize_answer, parse_action, ParsedAction, ActionError, qa_scores
+from trace.envs.base import EpisodeFinishedError, Prompt
+from trace.envs.qa import (ContextBM25Retriever, CorpusBM25Retriever, HttpRetriever, Passage, QAEnvironment,
+                           RetrieverError, load_passages)
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+needs_data = pytest.mark.skipif(not SHARED_DATA.is_dir(), reason=f"offline data folder {SHARED_DATA} not present")
+
+try:
+    from trace.envs.checker import check_environment
+except ImportError:  # pragma: no cover - the checker lives in its own module
+    check_environment = None
+needs_checker = pytest.mark.skipif(check_environment is None, reason="trace.envs.checker not available")
+
+TWOWIKI_CORPUS = SHARED_DATA / "2wikimultihopqa" / "hipporag2_corpus" / "2wikimultihopqa_corpus.json"
+
+
+@pytest.fixture(scope="module")
+def hotpot():
+    """The first HotpotQA distractor question of the offline copy ("Tinted Windows" -> Tulsa)."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"offline data folder {SHARED_DATA} not present")
+    cfg = TaskConfig(name=TaskName.HOTPOTQA, files=DataFileConfig(eval_fraction=0.0, max_train=5))
+    return load_prompts(cfg, "train")
+
+
+@pytest.fixture(scope="module")
+def wiki_slice():
+    """BM25 over the first 300 passages of the 2Wiki corpus (the first questions' paragraphs are there)."""
+    if not TWOWIKI_CORPUS.is_file():
+        pytest.skip(f"{TWOWIKI_CORPUS} not present")
+    return CorpusBM25Retriever(load_passages(TWOWIKI_CORPUS)[:300])
+
+
+class _RetrievalHandler(BaseHTTPRequestHandler):
+    """A Search-R1-style /retrieve endpoint over three fixed passages; records every request body."""
+
+    passages = [("Lothair II", "Lothair II was king of Lotharingia."),
+                ("Ermengarde of Tours", "Ermengarde of Tours died on 20 March 851."),
+                ("Tulsa", "Tulsa is a city in Oklahoma.")]
+    requests: list = []
+
+    def do_POST(self):  # noqa: N802 - http.server's name
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).requests.append((self.path, body))
+        if self.path != "/retrieve":
+            self.send_response(404)
+            self.end_headers()
+            return
+        results = []
+        for query in body["queries"]:
+            words = set(query.lower().split())
+            ranked = sorted(self.passages, key=lambda p: -len(words & set(f"{p[0]} {p[1]}".lower().split())))
+            results.append([{"document": {"id": str(i), "contents": f'"{t}"\n{x}'}, "score": 1.0 / (i + 1)}
+                            for i, (t, x) in enumerate(ranked[: body["topk"]])])
+        payload = json.dumps({"result": results}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture()
+def retrieval_server():
+    _RetrievalHandler.requests = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _RetrievalHandler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", _RetrievalHandler.requests
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=5)
+
+
+# ---- action parsing and answer scores ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, expected", [
+    ("Thought: find it. Action: search[Tinted Windows band] Observation:",
+     ParsedAction("search", "Tinted Windows band")),
+    ("Action: Finish[Ender's Game]", ParsedAction("finish", "Ender's Game")),  # unbalanced quote
+    ("action:search[ [1] list ]", ParsedAction("search", "[1] list")),  # nested brackets
+    ("I will search[a] now", ParsedAction("search", "a")),  # no label: first known tool
+    ("Action: search[a] Observation: x Action: finish[b]", ParsedAction("search", "a")),
+    ("Action: I will finish[Tulsa]", ParsedAction("finish", "Tulsa")),  # prose after the label
+    ("Action: lookup[x]", ParsedAction("lookup", "x")),  # an unknown tool is reported by the environment
+])
+def test_parse_action_reads_the_first_action_before_the_marker(text, expected):
+    assert parse_action(text, ("search", "finish")) == expected
+
+
+@pytest.mark.parametrize("text", ["", "   ", "Observation: fake", "Thought: hmm", "Action: search", "Action: search[x"])
+def test_parse_action_explains_what_is_missing(text):
+    assert isinstance(parse_action(text, ("search", "finish")), ActionError)
+
+
+def test_normalize_answer_is_hotpotqa_s():
+    assert normalize_answer("The  Beatles!") == "beatles"
+    assert normalize_answer("A tale of two cities.") == "tale of two cities"
+    assert normalize_answer("Theatre") == "theatre"  # 'the' only as a word
+
+
+def test_f1_hand_worked():
+    # pred tokens {tulsa, oklahoma}, gold {tulsa}: precision 1/2, recall 1 -> F1 = 2 * 0.5 / 1.5 = 2/3
+    assert answer_f1("Tulsa, Oklahoma", "Tulsa") == pytest.approx(2 / 3)
+    assert answer_f1("yes", "no") == 0.0
+    assert answer_f1("no", "no") == 1.0
+    assert answer_f1("yes it is", "yes") == 0.0  # HotpotQA: yes/no answers score only exactly
+
+
+@needs_data
+def test_real_gold_aliases_score_one_and_near_misses_zero():
+    nq = load_prompts(TaskConfig(name=TaskName.NQ, files=DataFileConfig(eval_fraction=0.0, max_train=1)), "train")[0]
+    assert nq.answer == ["14 December 1972 UTC", "December 1972"]
+    assert qa_scores("december 1972.", nq.answer) == (1.0, 1.0)
+    em, f1 = qa_scores("December 1973", nq.answer)
+    assert em == 0.0 and f1 == pytest.approx(0.5)  # 1 of 2 tokens shared with "December 1972"
+    bamboogle = load_prompts(TaskConfig(name=TaskName.BAMBOOGLE, files=DataFileConfig(eval_fraction=0.0)), "train")[0]
+    assert qa_scores("James Madison", bamboogle.answer) == (1.0, 1.0)
+    assert qa_scores("James Monroe", bamboogle.answer)[0] == 0.0
+    musique = load_prompts(TaskConfig(name=TaskName.MUSIQUE, files=DataFileConfig(eval_fraction=0.0)), "train")[0]
+    assert musique.answer == ["G. Stanley Hall", "Stanley Hall"]  # answer + answer_aliases
+    assert qa_scores("Stanley Hall", musique.answer)[0] == 1.0
+    assert qa_scores("Hall", musique.answer)[0] == 0.0
+
+
+# ---- environment over the question's own paragraphs ---------------------------------------------------------
+
+def test_context_search_finds_the_gold_paragraph_and_finish_scores(hotpot):
+    prompt = hotpot[0]
+    assert prompt.answer == ["Tulsa"] and len(prompt.meta["context"]) == 10
+    env = QAEnvironment("hotpotqa", ContextBM25Retriever(), top_k=2, max_turns=4)
+    state, message = env.reset(prompt)
+    assert message.endswith(f"Question: {prompt.question}") and "top 2 passages" in message
+    result = env.step(state, "Thought: who made it? Action: search[Tinted Windows band first performance]")
+    assert result.observation.startswith("Doc 1 (Title: Tinted Windows (band))")
+    assert result.observation.count("\nDoc ") == 1 and result.num_tool_calls == 1
+    win = env.step(result.state, "Action: finish[tulsa]")
+    assert win.terminated and win.reward == 1.0 and win.info["em"] == 1.0 and win.info["f1"] == 1.0
+    near = env.step(result.state, "Action: finish[Tulsa, Oklahoma]")
+    assert near.terminated and near.reward == 0.0 and near.info["f1"] == pytest.approx(2 / 3)
+    assert win.state.data == (("search", "Tinted Windows band first performance"), ("finish", "tulsa"))
+
+
+def test_queries_are_capped_and_unquoted(hotpot):
+    env = QAEnvironment("hotpotqa", ContextBM25Retriever(), max_query_chars=20)
+    state, _ = env.reset(hotpot[0])
+    result = env.step(state, "Action: search[\"Tinted Windows " + "band " * 50 + "\"]")
+    # cut to 20 characters ("Tinted Windows band "), then the trailing space dropped
+    assert result.info["query_truncated"] and result.state.data[0][1] == result.info["query"] == "Tinted Windows band"
+
+
+def test_a_query_with_no_indexed_word_says_so(hotpot):
+    env = QAEnvironment("hotpotqa", ContextBM25Retriever())
+    state, _ = env.reset(hotpot[0])
+    assert env.step(state, "Action: search[the of and]").observation == "No results for 'the of and'."
+
+
+@pytest.mark.parametrize("text", ["", "Thought: no idea", "Action: lookup[x]", "Action: search[]", "Action: search['']",
+                                  "Action: finish[ ]",
+                                  "Action: search[unclosed"])
+def test_malformed_turns_give_invalid_action_observations(hotpot, text):
+    env = QAEnvironment("hotpotqa", ContextBM25Retriever())
+    state, _ = env.reset(hotpot[0])
+    result = env.step(state, text)
+    assert result.observation.startswith("Invalid action:") and not result.state.done and result.reward == 0.0
+
+
+def test_turn_limit_truncates_without_searching_and_done_states_refuse_steps(hotpot):
+    env = QAEnvironment("hotpotqa", ContextBM25Retriever(), max_turns=2)
+    state, _ = env.reset(hotpot[0])
+    state = env.step(state, "Action: search[Tinted Windows]").state
+    last = env.step(state, "Action: search[Tulsa]")
+    assert last.truncated and not last.terminated and last.observation == "" and last.num_tool_calls == 0
+    with pytest.raises(EpisodeFinishedError):
+        env.step(last.state, "Action: finish[Tulsa]")
+
+
+def test_context_retriever_refuses_prompts_without_paragraphs():
+    with pytest.raises(RetrieverError, match="corpus_path"):
+        ContextBM25Retriever().search("x", 3, Prompt("nq", "0", "q?", ["a"]))
+
+
+# ---- corpora, HTTP retrieval, construction ------------------------------------------------------------------
+
+@needs_data
+def test_load_passages_reads_every_corpus_format(tmp_path):
+    twowiki = load_passages(TWOWIKI_CORPUS)
+    assert len(twowiki) == 6119 and twowiki[0].title == "Teutberga"
+    hotpot = load_passages(SHARED_DATA / "hotpotqa" / "hipporag_original_format" / "hotpotqa_train_corpus.json")
+    assert len(hotpot) == 994 and hotpot[0].title == "Demon Dice"
+    assert hotpot[0].text.startswith("Demon Dice, originally")
+    musique = load_passages(SHARED_DATA / "musique" / "hipporag_original_format" / "musique_train_corpus.json")
+    assert len(musique) == 1890 and musique[0].title == "Journal of Mathematical Physics"
+    search_r1 = tmp_path / "wiki.jsonl"
+    search_r1.write_text('{"id": "0", "contents": "\\"Tulsa\\"\\nTulsa is a city."}\n\n'
+                         '{"id": "1", "contents": "\\"Oklahoma\\"\\nA state."}\n')
+    assert load_passages(search_r1) == [Passage("Tulsa", "Tulsa is a city."), Passage("Oklahoma", "A state.")]
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"title": "a", "text": "b"}\n{"title": \n')
+    with pytest.raises(RetrieverError, match="line 2"):
+        load_passages(broken)
+
+
+def test_corpus_bm25_over_a_small_slice(wiki_slice):
+    prompt = Prompt("2wikimultihopqa", "0", "When did Lothair Ii's mother die?", ["20 March 851"])
+    titles = [p.title for p in wiki_slice.search("Ermengarde of Tours death", 3, prompt)]
+    assert titles[0] == "Ermengarde of Tours" and len(titles) == 3
+    env = QAEnvironment("2wikimultihopqa", wiki_slice, top_k=1)
+    state, _ = env.reset(prompt)
+    result = env.step(state, "Action: search[Ermengarde of Tours]")
+    assert result.observation.startswith("Doc 1 (Title: Ermengarde of Tours)") and "\n" not in result.observation
+    assert env.step(result.state, "Action: finish[20 March 851]").reward == 1.0
+
+
+def test_http_retriever_speaks_the_search_r1_protocol(retrieval_server):
+    url, requests = retrieval_server
+    retriever = HttpRetriever(url)
+    prompt = Prompt("nq", "0", "q?", ["a"])
+    passages = retriever.search("Ermengarde died", 2, prompt)
+    assert passages == [Passage("Ermengarde of Tours", "Ermengarde of Tours died on 20 March 851."),
+                        Passage("Lothair II", "Lothair II was king of Lotharingia.")]
+    assert requests == [("/retrieve", {"queries": ["Ermengarde died"], "topk": 2, "return_scores": True})]
+    assert retriever.search("Ermengarde died", 2, prompt) == passages
+    assert len(requests) == 1  # cached: replays and branches see the same passages without a new request
+
+
+def test_http_retriever_failure_names_the_server():
+    retriever = HttpRetriever("http://127.0.0.1:9", timeout_s=0.5, max_retries=0)
+    start = time.perf_counter()
+    with pytest.raises(RetrieverError, match="127.0.0.1:9/retrieve"):
+        retriever.search("x", 3, Prompt("nq", "0", "q?", ["a"]))
+    assert time.perf_counter() - start < 5
+
+
+@needs_data
+def test_make_task_environment_picks_the_retriever_by_precedence(retrieval_server):
+    url, _ = retrieval_server
+    hotpot = make_task_environment(TaskConfig(name=TaskName.HOTPOTQA, retrieval_top_k=4, max_turns=6))
+    assert isinstance(hotpot.retriever, ContextBM25Retriever) and (hotpot.top_k, hotpot.max_turns) == (4, 6)
+    served = make_task_environment(TaskConfig(name=TaskName.NQ, retriever_url=url))
+    assert isinstance(served.retriever, HttpRetriever) and served.retriever.url == url + "/retrieve"
+    nq = TaskConfig(name=TaskName.NQ, files=DataFileConfig(max_eval=2))
+    with pytest.raises(DataError, match="no context paragraphs"):
+        make_task_environment(nq, "eval")
+
+
+@needs_checker
+@needs_data
+def test_qa_environments_pass_the_checker(hotpot, wiki_slice, retrieval_server):
+    check_environment(make_task_environment(TaskConfig(name=TaskName.HOTPOTQA)), hotpot[:3], num_random_episodes=8)
+    musique_cfg = TaskConfig(name=TaskName.MUSIQUE, files=DataFileConfig(max_eval=2))
+    check_environment(make_task_environment(musique_cfg), load_prompts(musique_cfg, "eval"), num_random_episodes=6)
+    wiki_prompts = load_prompts(TaskConfig(name=TaskName.TWOWIKI, files=DataFileConfig(max_eval=2)), "eval")
+    check_environment(QAEnvironment("2wikimultihopqa", wiki_slice), wiki_prompts, num_random_episodes=6)
+    url, _ = retrieval_server
+    nq_cfg = TaskConfig(name=TaskName.NQ, retriever_url=url, files=DataFileConfig(max_eval=2))
+    check_environment(make_task_environment(nq_cfg), load_prompts(nq_cfg, "eval"), num_random_episodes=6)

@@ -1,0 +1,485 @@
+"""Generation backends: token ids in, sampled token ids and their log-probabilities out.
+
+``GenerationBackend`` is the one interface the rollout engine uses; it is backend-agnostic (no tensors, no
+text): a batch of prefixes (token id lists) goes in, one ``Generation`` per prefix comes out. A vLLM backend
+fits behind the same Protocol (stop token ids, stop strings and per-request seeds map onto its
+``SamplingParams``; automatic prefix caching plays the role of the KV reuse below).
+
+``HFBackend`` is a manual batched sampling loop over a Hugging Face causal LM with a KV cache
+(``transformers`` ``DynamicCache``), written for multi-turn rollouts where every sequence receives its own
+tool observation between turns (``model.generate`` handles that badly, STACK.md):
+- Prefixes are left-padded; every forward pass gets an explicit 2-D attention mask and explicit
+  ``position_ids`` (position = number of real tokens before the token), so padding and holes in the cache
+  never shift positions or leak attention.
+- Identical prefixes in one call (the ``m`` rollouts of a prompt, the ``k`` branches of an anchor) are
+  prefilled once and their KV is expanded to the copies by an index select.
+- The KV of every sequence of the previous call is kept. A new prefix that extends a kept sequence (the same
+  trajectory after its tool observation was appended) feeds only the new tokens; the kept KV is dropped
+  when the model's weights change (an in-place optimizer step) or on ``clear_cache()``.
+- Finished sequences are dropped from the working batch once enough of them accumulate.
+- Each request samples from its own ``torch.Generator`` seeded from (call seed, request index): the same
+  model, prefixes and seed give the same tokens, whatever the batch size, chunking or prefix sharing.
+Logits from cached and expanded KV match a full recompute without cache within about 1e-6 (float32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, Sequence, runtime_checkable
+
+FinishKind = Literal["stop", "eos", "length"]
+
+
+@dataclass
+class Generation:
+    """One sampled continuation.
+
+    Attributes:
+        token_ids: (N,) generated token ids, including the stop token / EOS that ended the generation.
+        logprobs: (N,) log-probabilities in nats of ``token_ids`` under the sampling distribution (after
+            temperature and top-p renormalisation; see ``sample_tokens``).
+        finish: ``"stop"`` (a stop token or stop string was produced), ``"eos"`` (an EOS token), or
+            ``"length"`` (``max_new_tokens`` reached without either).
+    """
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: FinishKind = "length"
+
+
+@runtime_checkable
+class GenerationBackend(Protocol):
+    """Samples continuations of token-id prefixes."""
+
+    def generate(
+        self,
+        prefixes: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int | Sequence[int],
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        stop_token_ids: Sequence[int] = (),
+        stop_strings: Sequence[str] = (),
+        seed: int = 0,
+    ) -> list[Generation]:
+        """Sample one continuation per prefix.
+
+        Args:
+            prefixes: B token-id lists, each non-empty.
+            max_new_tokens: most tokens per continuation, one int for all or B ints (>= 0).
+            temperature: > 0 samples from ``softmax(logits / temperature)``; 0 is greedy.
+            top_p: nucleus mass in (0, 1].
+            stop_token_ids: tokens that end a continuation (finish ``"stop"``); kept in ``token_ids``.
+            stop_strings: texts that end a continuation once its decoded tail contains them (finish
+                ``"stop"``); the token that completes the text is kept.
+            seed: sampling seed; equal inputs and seed give equal outputs.
+
+        Returns:
+            B ``Generation`` in the order of ``prefixes``.
+        """
+        ...
+
+    def clear_cache(self) -> None:
+        """Forget any state kept between calls (call after the policy's weights change)."""
+        ...
+
+
+def sample_tokens(logits: Any, temperature: float, top_p: float, uniforms: Any) -> tuple[Any, Any]:
+    """Sample one token per row and return its log-probability under the sampling distribution.
+
+    Sampling is Gumbel-max: ``argmax(log p + g)`` with ``g = -log(-log(u))`` is an exact draw from ``p``; the
+    uniforms ``u`` come from the caller, so each sequence can own its random stream.
+
+    Args:
+        logits: (B, V) float tensor of next-token logits.
+        temperature: > 0: sample from ``p = softmax(logits / temperature)``; 0: greedy (argmax), with the
+            log-probability of the argmax token under ``softmax(logits)`` (``uniforms`` unused).
+        top_p: nucleus sampling (Holtzman et al. 2020, arXiv 1904.09751): keep the smallest set of most
+            likely tokens whose mass reaches ``top_p`` (always at least one), renormalise, sample.
+        uniforms: (B, V) float tensor of independent Uniform(0, 1) draws (``None`` when greedy).
+
+    Returns:
+        ``(tokens, logprobs)``: (B,) int64 and (B,) float32; ``logprobs`` are of the renormalised truncated
+        distribution actually sampled from (nats).
+
+    Raises:
+        ValueError: if ``temperature < 0`` or ``top_p`` is outside (0, 1].
+    """
+    import torch
+
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p={top_p} must be in (0, 1]")
+    logits = logits.float()
+    if temperature == 0:
+        logp = torch.log_softmax(logits, dim=-1)
+        tokens = logits.argmax(dim=-1)
+        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    logp = torch.log_softmax(logits / temperature, dim=-1)  # (B, V)
+    if top_p < 1.0:
+        sorted_logp, order = logp.sort(dim=-1, descending=True)
+        sorted_p = sorted_logp.exp()
+        mass_before = sorted_p.cumsum(dim=-1) - sorted_p  # mass of strictly more likely tokens
+        sorted_logp = sorted_logp.masked_fill(mass_before >= top_p, float("-inf"))
+        logp = torch.full_like(logp, float("-inf")).scatter(-1, order, sorted_logp)
+        logp = torch.log_softmax(logp, dim=-1)
+    tiny = torch.finfo(torch.float32).tiny
+    gumbel = -torch.log(-torch.log(uniforms.float().clamp(min=tiny, max=1.0 - 1e-7)))
+    tokens = (logp + gumbel).argmax(dim=-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def request_seed(seed: int, request_idx: int) -> int:
+    """Seed of one request's random stream: splitmix64 of (seed, index), so streams never overlap in practice."""
+    mask = (1 << 64) - 1
+    z = (int(seed) * 0x9E3779B97F4A7C15 + int(request_idx) + 1) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) >> 1
+
+
+def continuation_logprobs(model: Any, prefix_ids: Sequence[int], continuation_ids: Sequence[int],
+                          temperature: float = 1.0) -> Any:
+    """Teacher-forced log-probabilities of ``continuation_ids`` after ``prefix_ids``: one forward, no cache.
+
+    The slow obvious reference for the backend's logprobs (and a scorer for single sequences).
+
+    Args:
+        model: causal LM.
+        prefix_ids: (P,) token ids, P >= 1.
+        continuation_ids: (C,) token ids.
+        temperature: > 0; log-probabilities of ``softmax(logits / temperature)``.
+
+    Returns:
+        (C,) float32 CPU tensor of log-probabilities in nats.
+    """
+    import torch
+
+    ids = list(prefix_ids) + list(continuation_ids)
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([ids], dtype=torch.long, device=device)
+    with torch.inference_mode():
+        logits = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids)).logits[0].float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    start = len(prefix_ids)
+    targets = input_ids[0, start:]
+    return logp[start - 1:-1].gather(-1, targets[:, None]).squeeze(-1).cpu()
+
+
+def _hash_extend(h: int, token_ids: Sequence[int]) -> int:
+    """Rolling hash of a token sequence (identity of kept KV rows)."""
+    for t in token_ids:
+        h = hash((h, t))
+    return h
+
+
+@dataclass
+class _KVBlock:
+    """KV of a set of finished sequences kept for the next call.
+
+    Attributes:
+        keys, values: per layer (R, H, S, D) tensors.
+        attention_mask: (R, S) long, 1 on slots that hold a real token.
+        next_position: (R,) long, real tokens per row (position id of the next token).
+        token_ids: per row, the tokens whose KV the row holds, in order.
+    """
+
+    keys: list[Any]
+    values: list[Any]
+    attention_mask: Any
+    next_position: Any
+    token_ids: list[tuple[int, ...]]
+
+
+@dataclass
+class _Batch:
+    """Working state of the decode loop: KV cache rows, their masks and positions."""
+
+    cache: Any  # DynamicCache, (R, H, S, D) per layer
+    attention_mask: Any  # (R, S) long
+    next_position: Any  # (R,) long
+
+
+class HFBackend:
+    """Batched sampling with a KV cache over a Hugging Face causal LM (see the module docstring).
+
+    Args:
+        model: causal LM taking ``input_ids, attention_mask, position_ids, cache, use_cache, logits_to_keep``.
+            Eager attention is recommended: left padding creates fully masked query rows.
+        tokenizer: its tokenizer (EOS ids, pad id, and decoding for stop strings).
+        max_batch_size: most sequences decoded together; larger calls are processed in chunks.
+        reuse_prefix_cache: prefill identical prefixes once and expand their KV (off: prefill every copy).
+        keep_cache_between_calls: keep the KV of the last call's sequences for prefixes that extend them.
+        compact_fraction: drop finished rows from the working batch once the unfinished ones are at most
+            this share of it.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, *, max_batch_size: int = 256, reuse_prefix_cache: bool = True,
+                 keep_cache_between_calls: bool = True, compact_fraction: float = 0.75) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch_size = int(max_batch_size)
+        self.reuse_prefix_cache = reuse_prefix_cache
+        self.keep_cache_between_calls = keep_cache_between_calls
+        self.compact_fraction = float(compact_fraction)
+        eos: set[int] = set()
+        if tokenizer.eos_token_id is not None:
+            eos.add(int(tokenizer.eos_token_id))
+        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        if gen_eos is not None:
+            eos.update(int(t) for t in (gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]))
+        self.eos_token_ids = frozenset(eos)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_token_id = int(pad) if pad is not None else 0
+        self._kept: list[_KVBlock] = []
+        self._kept_index: dict[tuple[int, int], tuple[int, int]] = {}
+        self._kept_version: int | None = None
+        self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "decode_steps": 0, "forward_passes": 0}
+
+    # ---- kept KV between calls ----------------------------------------------------------------------
+    def clear_cache(self) -> None:
+        """Drop the KV kept from the previous call."""
+        self._kept, self._kept_index, self._kept_version = [], {}, None
+
+    def _weights_version(self) -> int:
+        # in-place updates (optimizer steps, load_state_dict) bump every touched parameter's version counter
+        return int(sum(p._version for p in self.model.parameters()))
+
+    def _find_kept(self, prefix: Sequence[int]) -> tuple[int, int, int] | None:
+        """Longest kept row whose tokens are a proper prefix of ``prefix``: ``(block, row, length)``."""
+        if not self._kept_index:
+            return None
+        best = None
+        h = 0
+        for length, token in enumerate(prefix[:-1], start=1):
+            h = hash((h, token))
+            hit = self._kept_index.get((length, h))
+            if hit is not None:
+                best = (hit[0], hit[1], length)
+        if best is not None and tuple(prefix[:best[2]]) != self._kept[best[0]].token_ids[best[1]]:
+            return None  # hash collision
+        return best
+
+    # ---- public API ----------------------------------------------------------------------------------
+    def generate(
+        self,
+        prefixes: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int | Sequence[int],
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        stop_token_ids: Sequence[int] = (),
+        stop_strings: Sequence[str] = (),
+        seed: int = 0,
+    ) -> list[Generation]:
+        """Sample one continuation per prefix (``GenerationBackend.generate``).
+
+        Raises:
+            ValueError: an empty prefix, a negative ``max_new_tokens``, or a length mismatch.
+        """
+        import torch
+
+        num = len(prefixes)
+        budgets = [int(max_new_tokens)] * num if isinstance(max_new_tokens, int) else [int(b) for b in max_new_tokens]
+        if len(budgets) != num:
+            raise ValueError(f"max_new_tokens has {len(budgets)} entries for {num} prefixes")
+        for idx, (prefix, budget) in enumerate(zip(prefixes, budgets)):
+            if len(prefix) == 0:
+                raise ValueError(f"prefixes[{idx}] is empty: every prefix needs at least one token (e.g. BOS)")
+            if budget < 0:
+                raise ValueError(f"max_new_tokens[{idx}]={budget} must be >= 0")
+        if self._kept and self._kept_version != self._weights_version():
+            self.clear_cache()
+        device = next(self.model.parameters()).device
+        # one random stream per request: its tokens do not depend on batching, chunking or prefix sharing
+        generators = [torch.Generator(device=device).manual_seed(request_seed(seed, idx)) for idx in range(num)]
+        results: list[Generation | None] = [None] * num
+        # group identical prefixes (first-occurrence order) so each is prefilled once
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for idx, prefix in enumerate(prefixes):
+            if budgets[idx] == 0:
+                results[idx] = Generation(finish="length")
+                continue
+            key = tuple(int(t) for t in prefix)
+            groups.setdefault(key if self.reuse_prefix_cache else (idx,) + key, []).append(idx)
+        entries = []  # (prefix, request indices) split to fit max_batch_size
+        for key, members in groups.items():
+            prefix = key if self.reuse_prefix_cache else key[1:]
+            for start in range(0, len(members), self.max_batch_size):
+                entries.append((prefix, members[start:start + self.max_batch_size]))
+        chunks: list[list[tuple[tuple[int, ...], list[int]]]] = []
+        rows_in_chunk = self.max_batch_size
+        for entry in entries:
+            if rows_in_chunk + len(entry[1]) > self.max_batch_size:
+                chunks.append([])
+                rows_in_chunk = 0
+            chunks[-1].append(entry)
+            rows_in_chunk += len(entry[1])
+        new_kept: list[_KVBlock] = []
+        stop_ids = frozenset(int(t) for t in stop_token_ids)
+        with torch.inference_mode():
+            for chunk in chunks:
+                self._generate_chunk(chunk, budgets, results, new_kept, temperature, top_p, stop_ids,
+                                     tuple(stop_strings), generators, device)
+        if self.keep_cache_between_calls:
+            self._kept = new_kept
+            self._kept_index = {}
+            for block_idx, block in enumerate(new_kept):
+                for row, tokens in enumerate(block.token_ids):
+                    self._kept_index[(len(tokens), _hash_extend(0, tokens))] = (block_idx, row)
+            self._kept_version = self._weights_version()
+        else:
+            self.clear_cache()
+        return [r if r is not None else Generation() for r in results]
+
+    # ---- internals -----------------------------------------------------------------------------------
+    def _prefill(self, prefixes: list[tuple[int, ...]], device: Any) -> tuple[_Batch, Any]:
+        """Run the uncached part of each prefix through the model; return the batch state and last logits.
+
+        Rows that extend a kept sequence start from its KV and feed only the new tokens; the others start
+        empty. New tokens are left-padded to one chunk of width W.
+        """
+        import torch
+        from transformers import DynamicCache
+
+        num = len(prefixes)
+        matches = [self._find_kept(p) for p in prefixes]
+        used_blocks = sorted({m[0] for m in matches if m is not None})
+        past_len = max((self._kept[b].attention_mask.shape[1] for b in used_blocks), default=0)
+        next_position = torch.zeros(num, dtype=torch.long)
+        past_mask = torch.zeros(num, past_len, dtype=torch.long)
+        layer_kv = None
+        if used_blocks:
+            first = self._kept[used_blocks[0]]
+            num_layers = len(first.keys)
+            layer_kv = []
+            for layer in range(num_layers):
+                shape = list(first.keys[layer].shape)
+                shape[0], shape[2] = num, past_len
+                layer_kv.append([first.keys[layer].new_zeros(shape), first.values[layer].new_zeros(shape)])
+            for b in used_blocks:
+                block = self._kept[b]
+                dest = [i for i, m in enumerate(matches) if m is not None and m[0] == b]
+                src = torch.tensor([matches[i][1] for i in dest], dtype=torch.long)
+                dest_t = torch.tensor(dest, dtype=torch.long)
+                width = block.attention_mask.shape[1]
+                past_mask[dest_t, :width] = block.attention_mask[src]
+                next_position[dest_t] = block.next_position[src]
+                for layer in range(num_layers):
+                    layer_kv[layer][0][dest_t.to(device), :, :width] = block.keys[layer][src.to(device)]
+                    layer_kv[layer][1][dest_t.to(device), :, :width] = block.values[layer][src.to(device)]
+        new_tokens = [p[m[2]:] if m is not None else p for p, m in zip(prefixes, matches)]
+        width = max(len(t) for t in new_tokens)
+        input_ids = torch.full((num, width), self.pad_token_id, dtype=torch.long)
+        chunk_mask = torch.zeros(num, width, dtype=torch.long)
+        position_ids = torch.zeros(num, width, dtype=torch.long)
+        for row, tokens in enumerate(new_tokens):
+            n = len(tokens)
+            input_ids[row, width - n:] = torch.tensor(tokens, dtype=torch.long)
+            chunk_mask[row, width - n:] = 1
+            position_ids[row, width - n:] = next_position[row] + torch.arange(n)
+        self.stats["prefill_tokens"] += sum(len(t) for t in new_tokens)
+        self.stats["reused_tokens"] += sum(m[2] for m in matches if m is not None)
+        cache = DynamicCache(config=self.model.config)
+        if layer_kv is not None:
+            for layer, (k, v) in enumerate(layer_kv):
+                cache.update(k, v, layer)
+        attention_mask = torch.cat([past_mask, chunk_mask], dim=1)
+        out = self.model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                         position_ids=position_ids.to(device), cache=cache, use_cache=True, logits_to_keep=1)
+        self.stats["forward_passes"] += 1
+        next_position = next_position + torch.tensor([len(t) for t in new_tokens], dtype=torch.long)
+        return _Batch(out.cache, attention_mask, next_position), out.logits[:, -1, :]
+
+    def _keep_rows(self, batch: _Batch, rows: list[int], token_ids: list[tuple[int, ...]],
+                   new_kept: list[_KVBlock], device: Any) -> None:
+        """Copy the KV of working rows ``rows`` (holding ``token_ids``) into a kept block."""
+        import torch
+
+        idx = torch.tensor(rows, dtype=torch.long)
+        idx_dev = idx.to(device)
+        keys = [layer.keys.index_select(0, idx_dev) for layer in batch.cache.layers]
+        values = [layer.values.index_select(0, idx_dev) for layer in batch.cache.layers]
+        new_kept.append(_KVBlock(keys, values, batch.attention_mask[idx], batch.next_position[idx], token_ids))
+
+    def _generate_chunk(self, chunk, budgets, results, new_kept, temperature, top_p, stop_ids, stop_strings,
+                        generators, device) -> None:
+        import torch
+
+        prefixes = [prefix for prefix, _ in chunk]
+        batch, logits = self._prefill(prefixes, device)
+        # expand each unique prefix to its copies: working row -> request index
+        requests = [idx for _, members in chunk for idx in members]
+        expand = torch.tensor([u for u, (_, members) in enumerate(chunk) for _ in members], dtype=torch.long)
+        if len(requests) != len(chunk):
+            batch.cache.reorder_cache(expand.to(device))
+            batch.attention_mask = batch.attention_mask[expand]
+            batch.next_position = batch.next_position[expand]
+            logits = logits.index_select(0, expand.to(device))
+        row_prefix = [prefixes[u] for u in expand.tolist()]
+        generated: list[list[int]] = [[] for _ in requests]
+        logprobs: list[list[float]] = [[] for _ in requests]
+        finish: list[str | None] = [None] * len(requests)
+        work = list(range(len(requests)))  # working row -> position in `requests`
+        max_stop_len = max((len(s) for s in stop_strings), default=0)
+        keep = self.keep_cache_between_calls
+        while True:
+            uniforms = None
+            if temperature > 0:
+                uniforms = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).fill_(0.5)
+                for w, r in enumerate(work):
+                    if finish[r] is None:
+                        uniforms[w].uniform_(0.0, 1.0, generator=generators[requests[r]])
+            tokens, token_logprobs = sample_tokens(logits, temperature, top_p, uniforms)
+            tokens_l, logprobs_l = tokens.tolist(), token_logprobs.tolist()
+            self.stats["decode_steps"] += 1
+            for w, r in enumerate(work):
+                if finish[r] is not None:
+                    continue
+                token = tokens_l[w]
+                generated[r].append(token)
+                logprobs[r].append(logprobs_l[w])
+                if token in self.eos_token_ids:
+                    finish[r] = "eos"
+                elif token in stop_ids:
+                    finish[r] = "stop"
+                elif stop_strings and self._hits_stop_string(generated[r], stop_strings, max_stop_len):
+                    finish[r] = "stop"
+                elif len(generated[r]) >= budgets[requests[r]]:
+                    finish[r] = "length"
+            unfinished = [w for w, r in enumerate(work) if finish[r] is None]
+            if not unfinished:
+                break
+            if len(unfinished) <= self.compact_fraction * len(work):
+                done = [w for w, r in enumerate(work) if finish[r] is not None]
+                if keep:
+                    self._keep_rows(batch, done, [row_prefix[work[w]] + tuple(generated[work[w]][:-1]) for w in done],
+                                    new_kept, device)
+                idx = torch.tensor(unfinished, dtype=torch.long)
+                batch.cache.reorder_cache(idx.to(device))
+                batch.attention_mask = batch.attention_mask[idx]
+                batch.next_position = batch.next_position[idx]
+                tokens = tokens.index_select(0, idx.to(tokens.device))
+                work = [work[w] for w in unfinished]
+                unfinished = list(range(len(work)))
+            is_live = torch.zeros(len(work), dtype=torch.long)
+            is_live[unfinished] = 1
+            batch.attention_mask = torch.cat([batch.attention_mask, is_live[:, None]], dim=1)
+            out = self.model(input_ids=tokens[:, None].to(device), attention_mask=batch.attention_mask.to(device),
+                             position_ids=batch.next_position[:, None].to(device), cache=batch.cache, use_cache=True)
+            self.stats["forward_passes"] += 1
+            batch.cache = out.cache
+            batch.next_position = batch.next_position + is_live
+            logits = out.logits[:, -1, :]
+        if keep:
+            self._keep_rows(batch, list(range(len(work))),
+                            [row_prefix[r] + tuple(generated[r][:-1]) for r in work], new_kept, device)
+        for r, idx in enumerate(requests):
+            results[idx] = Generation(token_ids=generated[r], logprobs=logprobs[r], finish=finish[r])
+
+    def _hits_stop_string(self, generated: list[int], stop_strings: tuple[str, ...], max_stop_len: int) -> bool:
+        tail = self.tokenizer.decode(generated[-(max_stop_len + 1):], skip_special_tokens=False)
+        return any(s in tail for s in stop_strings)
