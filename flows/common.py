@@ -80,11 +80,16 @@ def read_split(split: str):
 
 
 def open_run(cfg, stage: str, params: dict, ablation: str = "", resume: bool = False):
-    """MLflow run of this stage execution (see ``trace.tracking.stage_run``)."""
+    """MLflow run of this stage execution (see ``trace.tracking.stage_run``).
+
+    A resumable stage is keyed by ``cfg.resume_hash()`` so a run extended with more steps continues the
+    same MLflow run.
+    """
     from trace.tracking import stage_run
 
     return stage_run(stage, tracking_uri=cfg.tracking.tracking_uri, experiment_name=cfg.tracking.experiment_name,
-                     params=params, params_hash=cfg.params_hash(), ablation=ablation, resume=resume)
+                     params=params, params_hash=cfg.resume_hash() if resume else cfg.params_hash(),
+                     ablation=ablation, resume=resume)
 
 
 def section_params(cfg, *sections: str) -> dict:

@@ -8,7 +8,7 @@ from flows.common import EVAL, build_environment, load_stage_config, load_stage_
     run_dir, section_params, setup_process_env, stage_args, write_json
 
 
-@flow(name="evaluate", log_prints=True)
+@flow(name="evaluate", log_prints=False)
 def evaluate_flow(params: str, ablation: str) -> dict:
     from trace.config import load_config
     from trace.loop import evaluate_policy

@@ -18,7 +18,7 @@ def make_stage_predictor(cfg, env, policy):
     return make_predictor(cfg.predictor, env=env, policy=policy, seed=cfg.seed)
 
 
-@flow(name="fit_predictor", log_prints=True)
+@flow(name="fit_predictor", log_prints=False)
 def fit_predictor_flow(params: str) -> dict:
     import zlib
 
@@ -38,8 +38,7 @@ def fit_predictor_flow(params: str) -> dict:
             probe.fit(fit)
             metrics.update({f"{k}_heldout": v for k, v in probe.evaluate(held).items()})
         predictor = make_stage_predictor(cfg, env, policy)
-        metrics.update({f"predictor/fit_{k.split('/')[-1]}": v for k, v in predictor.fit(trees).items()
-                        if isinstance(v, (int, float))})
+        metrics.update({k: v for k, v in predictor.fit(trees).items() if isinstance(v, (int, float))})
         predictor.save(PREDICTOR / "predictor.pt")
         run.log_metrics(metrics)
         write_json(DATA / "metrics" / "fit_predictor.json", metrics)

@@ -19,7 +19,7 @@ def task_prompts(cfg, env, split: str):
     return load_prompts(cfg.task, split)
 
 
-@flow(name="prepare", log_prints=True)
+@flow(name="prepare", log_prints=False)
 def prepare_flow(params: str) -> dict:
     from trace.config import load_config
     from trace.prepared import save_prompts

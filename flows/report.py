@@ -28,7 +28,7 @@ def collect(cfg) -> dict:
     out: dict = {}
     for run in finished_runs(cfg.tracking.tracking_uri, cfg.tracking.experiment_name, "train"):
         abl = run.data.tags.get("trace.ablation")
-        if abl not in wanted or run.data.tags.get("trace.params_hash") != cfg.params_hash():
+        if abl not in wanted or run.data.tags.get("trace.params_hash") != cfg.resume_hash():
             continue
         hist = {k: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, k)) for k in STEP_KEYS}
         out[abl] = {"run_id": run.info.run_id, "history": hist,
@@ -93,7 +93,7 @@ def render_markdown(results: dict, warmup: dict, pass_k: int) -> str:
     return "\n".join(lines)
 
 
-@flow(name="report", log_prints=True)
+@flow(name="report", log_prints=False)
 def report_flow(params: str) -> dict:
     from trace.config import load_config
 

@@ -8,7 +8,7 @@ from flows.common import DATA, SEED_TREES, WARMUP_MODEL, build_environment, load
     open_run, read_split, section_params, setup_process_env, stage_args, write_json
 
 
-@flow(name="seed_rollouts", log_prints=True)
+@flow(name="seed_rollouts", log_prints=False)
 def seed_rollouts_flow(params: str) -> dict:
     from trace.config import load_config
     from trace.loop import collect_seed_rollouts, step_rng

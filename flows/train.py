@@ -22,7 +22,7 @@ def train_steps(trainer, until_step: int) -> int:
     return trainer.next_step
 
 
-@flow(name="train", log_prints=True)
+@flow(name="train", log_prints=False)
 def train_flow(params: str, ablation: str) -> dict:
     from trace.config import load_config
     from trace.loop import Trainer

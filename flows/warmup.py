@@ -25,7 +25,7 @@ def build_policy(cfg, env):
     return load_pretrained_policy(cfg.policy, env.observation_marker)
 
 
-@flow(name="warmup", log_prints=True)
+@flow(name="warmup", log_prints=False)
 def warmup_flow(params: str) -> dict:
     from trace.config import load_config
     from trace.loop import evaluate_policy, run_warmup

@@ -19,7 +19,7 @@ from trace.tree import FinishReason, Origin, RolloutTree
 # ---- builders ------------------------------------------------------------------------------------
 def make_tree(uid: str, root_text: str, rollouts: list[tuple[list[str], float]], *, step: int = 0,
               root_tokens: list[int] | None = None) -> RolloutTree:
-    """One bare rollout chain below the root per ``(turn texts, reward)``; turn tokens are the words' ids."""
+    """One bare rollout chain below the root per ``(turn texts, reward)``; a word of length L is token 4 + L % 20."""
     tree = RolloutTree(f"test/{step}/sim/{uid}", f"sim/{uid}", "sim", uid, step=step, ablation="test")
     root_tokens = root_tokens if root_tokens is not None else [1, 2, 3]
     tree.add_node(-1, turn_idx=-1, origin=Origin.PROMPT, text=root_text, token_ids=root_tokens)
@@ -261,7 +261,7 @@ def test_encoder_head_learns_a_separable_labelling_and_generalises():
     # leaf counts per tree: root 2, the three non-leaf turns 1 each
     assert after["predictor/num_nodes"] == 10 * 4 and after["predictor/num_outcomes"] == 10 * 5
     pred = predictor.predict_nodes(held_out[0], [0, 1])
-    assert np.all(pred > 0.9) and np.all(pred <= 1 - CFG.clip)
+    assert pred.dtype == np.float64 and np.all(pred > 0.9) and np.all(pred <= 1 - CFG.clip)
     # encoded prefixes are cached: scoring the same trees again encodes nothing
     num_calls = len(calls)
     predictor.evaluate(held_out)
@@ -390,8 +390,25 @@ def test_policy_head_learns_from_the_policy_hidden_state(tiny_policy):
     prompt = Prompt("sim", tree.example_id, tree.root.text)
     np.testing.assert_allclose(predictor.predict_prompts([prompt], [tree.root.text], [tree.root.token_ids]),
                                predictor.predict_nodes(tree, [0]), atol=1e-6)
-    with pytest.raises(ValueError, match="root_token_ids"):
-        predictor.predict_prompts([prompt], [tree.root.text])
+    with pytest.raises(ValueError, match="pass root_token_ids="):
+        predictor.predict_prompts([prompt], [tree.root.text])  # the bare test policy has no format
+
+
+def test_policy_head_renders_root_tokens_with_the_policy_format():
+    from trace.config import PolicyConfig
+    from trace.policy.model import build_tiny_policy
+
+    policy = build_tiny_policy(PolicyConfig(hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
+                                            intermediate_size=64), ["question", "e1", "e2", "search"], seed=0)
+    predictor = make_predictor(CFG.model_copy(update={"kind": PredictorKind.POLICY_HEAD}), policy=policy)
+    texts = ["question e1", "question e2 e1"]
+    roots = [policy.format.prompt_token_ids(policy.tokenizer, t) for t in texts]
+    trees = [make_tree(f"p{i}", t, [(["search"], 1.0)], root_tokens=ids) for i, (t, ids) in enumerate(zip(texts, roots))]
+    for tree in trees:
+        tree.nodes[1].token_ids = policy.format.encode(policy.tokenizer, "search e1")
+    prompts = [Prompt("sim", f"p{i}", t) for i, t in enumerate(texts)]
+    np.testing.assert_allclose(predictor.predict_prompts(prompts, texts),
+                               [predictor.predict_nodes(t, [0])[0] for t in trees], atol=1e-6)
 
 
 # ---- save / load, factory ------------------------------------------------------------------------

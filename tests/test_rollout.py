@@ -257,6 +257,18 @@ def test_anchors_must_be_unfinished_nodes_with_state(policy):
     assert expand_prefixes(policy, env, trees, {(0, 0): 0}, SamplingSpec()) == 0
 
 
+def test_an_eos_that_doubles_as_pad_is_still_trained_at_the_end_of_a_turn():
+    policy = build_tiny_policy(TINY, TallyEnv.words, seed=0)
+    policy.tokenizer.pad_token = policy.tokenizer.eos_token  # as in many chat models
+    eos_id = policy.tokenizer.eos_token_id
+    trees = rollout_roots(policy, TallyEnv(), PROMPTS[:1], [16], SamplingSpec(max_new_tokens=12, seed=0))
+    ended_by_eos = [n for n in turns(trees[0]) if split_turn(n)[0][-1] == eos_id]
+    assert ended_by_eos
+    for node in ended_by_eos:
+        gen, _ = split_turn(node)
+        assert node.loss_mask[len(gen) - 1] == 1 and node.logprobs[len(gen) - 1] < 0
+
+
 def test_a_marker_mismatch_between_policy_and_environment_is_an_error(policy):
     env = TallyEnv()
     env.observation_marker = "Result:"

@@ -303,6 +303,12 @@ class Config(_Section):
     evaluate: EvaluateConfig = EvaluateConfig()
     tracking: TrackingConfig = TrackingConfig()
 
+    def resume_hash(self) -> str:
+        """``params_hash`` without the step count and checkpoint cadence: a checkpoint of the same run made
+        with fewer ``train.num_steps`` is resumed (the remaining steps run), not discarded."""
+        return self.model_copy(update={"train": self.train.model_copy(
+            update={"num_steps": 0, "checkpoint_every": 1})}).params_hash()
+
     def params_hash(self) -> str:
         """sha256 (first 12 hex chars) of the canonical JSON of every param that can change a result.
 

@@ -159,7 +159,8 @@ def run_warmup(policy, env, train_prompts: Sequence[Prompt], cfg: Config, *,
         result.reason = "warmup disabled"
         return result
     demos = demonstration_trees(policy, env, train_prompts, wcfg.demo_noise, cfg.seed)
-    updater = PolicyUpdater(policy.model, cfg.update.model_copy(update={"lr": wcfg.lr, "ppo_epochs": 1}),
+    updater = PolicyUpdater(policy.model, cfg.update.model_copy(update={"lr": wcfg.lr, "ppo_epochs": 1, "kl_coef": 0.0,
+                                                                "gradient_checkpointing": False}),
                             seed=cfg.seed, pad_token_id=policy.tokenizer.pad_token_id,
                             max_tokens=cfg.policy.max_context_tokens)
     eval_prompts = list(train_prompts[: wcfg.eval_prompts])
@@ -290,7 +291,7 @@ class Trainer:
         tag = f"step{step_done:06d}"
         self.updater.save_checkpoint(ckpt, tag=tag)
         self.predictor.save(ckpt / f"{PREDICTOR_FILE}.{tag}")
-        state = {"next_step": step_done, "tag": tag, "params_hash": self.cfg.params_hash(),
+        state = {"next_step": step_done, "tag": tag, "params_hash": self.cfg.resume_hash(),
                  "ablation": self.ablation, "cumulative_tokens": self.cumulative_tokens,
                  "cumulative_trajectories": self.cumulative_trajectories, "history": self.history}
         atomic_write_bytes(self._state_path(), json.dumps(state, indent=1).encode())
@@ -304,7 +305,8 @@ class Trainer:
     def resume(self) -> int:
         """Load the last checkpoint if it belongs to these params; return the next step to run.
 
-        A checkpoint of other params (a changed config) is discarded and training starts at step 0.
+        A checkpoint of other params (a changed config other than ``train.num_steps``) is discarded and
+        training starts at step 0; a checkpoint past ``train.num_steps`` runs nothing more.
         """
         import torch
 
@@ -312,7 +314,7 @@ class Trainer:
         if not path.is_file():
             return 0
         state = json.loads(path.read_text())
-        if state.get("params_hash") != self.cfg.params_hash() or state.get("ablation") != self.ablation:
+        if state.get("params_hash") != self.cfg.resume_hash() or state.get("ablation") != self.ablation:
             shutil.rmtree(self.run_dir, ignore_errors=True)
             return 0
         ckpt = self.run_dir / CHECKPOINT_DIR
@@ -381,14 +383,13 @@ class Trainer:
             if self.spec.prefix_rule == "trace":
                 t0 = time.perf_counter()
                 anchor_probs = {}
-                for t_idx, tree in enumerate(trees):
-                    only = None if new_from is None else new_from.get(t_idx, [])
-                    ids = [node_id for node_id, _ in candidate_anchors(tree, only)]
-                    if ids:
-                        preds = self.predictor.predict_nodes(tree, ids)
-                        for node_id, v in zip(ids, preds):
-                            anchor_probs[(t_idx, node_id)] = float(v)
-                            tree.nodes[node_id].pred_success_prob = float(v)
+                ids = [[node_id for node_id, _ in candidate_anchors(tree, None if new_from is None
+                                                                     else new_from.get(t_idx, []))]
+                       for t_idx, tree in enumerate(trees)]
+                for t_idx, (tree, node_ids, preds) in enumerate(zip(trees, ids, self.predictor.predict_trees(trees, ids))):
+                    for node_id, v in zip(node_ids, preds):
+                        anchor_probs[(t_idx, node_id)] = float(v)
+                        tree.nodes[node_id].pred_success_prob = float(v)
                 timings["time/predict"] = timings.get("time/predict", 0.0) + time.perf_counter() - t0
             plan = plan_expansion(self.spec, trees, anchor_probs, budgets,
                                   step_rng(self.cfg.seed, step, f"expand{rnd}"), acfg.treepo_width,
@@ -479,8 +480,7 @@ class Trainer:
             metrics.update(self.predictor.evaluate(all_for_metrics))
         window = self.window_trees(step - 1) + all_for_metrics
         if window:
-            metrics.update({f"predictor/fit_{k.split('/')[-1]}": v for k, v in self.predictor.fit(window).items()
-                            if isinstance(v, (int, float))})
+            metrics.update({k: v for k, v in self.predictor.fit(window).items() if isinstance(v, (int, float))})
         timings["time/predictor_fit"] = time.perf_counter() - t0
 
         for tree in all_for_metrics:

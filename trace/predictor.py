@@ -773,7 +773,8 @@ def _first_leaf_below(tree: RolloutTree) -> np.ndarray:
 
 def last_hidden_states(model: Any, sequences: Sequence[Sequence[int]], positions: Sequence[Sequence[int]],
                        batch_size: int = 16) -> list[np.ndarray]:
-    """The causal LM's last-layer hidden state at chosen positions of each token sequence.
+    """The causal LM's last hidden state (``hidden_states[-1]``: the final, normed layer output in Hugging Face
+    models) at chosen positions of each token sequence.
 
     A causal model's state at position t depends only on tokens ``0..t``, so one forward pass over a whole
     trajectory gives the end-of-prefix state of every prefix along it. Sequences are right-padded (pad id 0,
@@ -818,7 +819,7 @@ def last_hidden_states(model: Any, sequences: Sequence[Sequence[int]], positions
                     input_ids[row, :len(sequences[s])] = torch.as_tensor(list(sequences[s]), dtype=torch.long)
                     attention_mask[row, :len(sequences[s])] = 1
                 result = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                               output_hidden_states=True, **extra)
+                               output_hidden_states=True, use_cache=False, **extra)
                 hidden = result.hidden_states[-1].float().cpu()  # (B, T, D)
                 for row, s in enumerate(batch):
                     out[s] = hidden[row, list(positions[s])].numpy()
@@ -889,20 +890,26 @@ class PolicyHeadPredictor(_HeadPredictorBase):
 
         Args:
             prompts: (B,) prompts.
-            root_texts: (B,) user messages (only their count is checked).
-            root_token_ids: (B,) the root context token ids each prompt's tree root would carry (the policy's
-                formatted prompt); required by this backend.
+            root_texts: (B,) user messages, ``env.reset(prompt)[1]``.
+            root_token_ids: (B,) the root context token ids each prompt's tree root carries. When ``None``,
+                they are rendered from ``root_texts`` by the policy's own format,
+                ``policy.format.prompt_token_ids(policy.tokenizer, text)`` (``trace.policy.model.Policy``).
 
         Returns:
             (B,) float64 in ``[clip, 1 - clip]``.
 
         Raises:
-            ValueError: if ``root_token_ids`` is missing, lengths differ, or a root has no tokens.
+            ValueError: if lengths differ, a root has no tokens, or ``root_token_ids`` is ``None`` and the
+                policy has no ``format.prompt_token_ids`` / ``tokenizer`` to render them.
         """
         _check_prompt_args(prompts, root_texts)
         if root_token_ids is None:
-            raise ValueError("the policy_head predictor scores prompts from the policy's hidden state: pass "
-                             "root_token_ids= (the formatted prompt token ids of each root)")
+            chat_format, tokenizer = getattr(self.policy, "format", None), getattr(self.policy, "tokenizer", None)
+            if tokenizer is None or not hasattr(chat_format, "prompt_token_ids"):
+                raise ValueError("the policy_head predictor scores prompts from the policy's hidden state after the "
+                                 "root tokens: pass root_token_ids=, or a policy with .tokenizer and "
+                                 ".format.prompt_token_ids (trace.policy.model.Policy)")
+            root_token_ids = [chat_format.prompt_token_ids(tokenizer, text) for text in root_texts]
         if len(root_token_ids) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts and {len(root_token_ids)} root_token_ids lists")
         seqs = [list(ids) for ids in root_token_ids]

@@ -95,7 +95,8 @@ def stage_run(stage: str, *, tracking_uri: str | None, experiment_name: str, par
         params: the stage's params (nested), logged flattened on a new run.
         params_hash: hash of the whole config; part of the run key.
         ablation: ablation name, '' for shared stages.
-        resume: continue the newest unfinished run with the same stage, ablation and params hash.
+        resume: continue the newest run with the same stage, ablation and params hash (its params are not
+            logged again: MLflow refuses a changed value for an existing param).
 
     Yields:
         ``StageRun``; the run ends FINISHED on success and FAILED on an exception.
@@ -114,7 +115,7 @@ def stage_run(stage: str, *, tracking_uri: str | None, experiment_name: str, par
     if resume:
         found = client.search_runs([exp_id], filter_string=f"tags.`trace.run_key` = '{run_key}'",
                                    order_by=["attributes.start_time DESC"], max_results=1)
-        if found and found[0].info.status != "FINISHED":
+        if found:
             run_id = found[0].info.run_id
             client.update_run(run_id, status="RUNNING")
     if run_id is None:

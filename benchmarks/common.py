@@ -1,0 +1,153 @@
+"""What every benchmark shares: command line, timing, summary statistics, the JSON report and the figure.
+
+Each benchmark is a module with ``main(argv) -> dict``: it parses ``--quick`` (a tiny setting for smoke
+tests) and ``--out DIR`` (default ``reports/benchmarks``), measures, and writes ``<name>.json`` and
+``<name>.png`` there. Reports carry the settings they ran with and a description of the machine, since
+timings depend on both; every ratio a target is judged by is measured side by side within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+REPORT_DIR = REPO_ROOT / "reports" / "benchmarks"
+
+
+def parse_args(description: str, argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The options every benchmark takes: ``--quick`` and ``--out``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help="tiny setting (seconds): a smoke test, not a result")
+    parser.add_argument("--out", default=str(REPORT_DIR), help=f"folder for the JSON and PNG (default {REPORT_DIR})")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (default 1: on a shared machine, 2 OpenMP threads that wait "
+                             "on each other's busy cores run many times slower than one)")
+    return parser.parse_args(argv)
+
+
+def set_torch_threads(num_threads: int) -> int:
+    """Set torch's intra-op thread count (when torch is used); returns the count in effect."""
+    import torch
+
+    if num_threads < 1:
+        raise ValueError(f"--threads={num_threads} must be >= 1")
+    torch.set_num_threads(num_threads)
+    return torch.get_num_threads()
+
+
+def timed(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> tuple[float, list[float], Any]:
+    """Median wall time of ``fn()`` over ``repeats`` calls after ``warmup`` untimed calls.
+
+    Returns:
+        ``(median_seconds, every_timing_seconds, result_of_the_last_call)``.
+
+    Raises:
+        ValueError: ``repeats < 1``.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} must be >= 1")
+    result = None
+    for _ in range(warmup):
+        result = fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), times, result
+
+
+def mean_std(values: Sequence[float]) -> dict[str, float]:
+    """``{"mean", "std", "n"}`` of the finite ``values``; ``std`` is the sample standard deviation (0 for one
+    value); NaN and infinite values are left out (``n`` counts the rest)."""
+    vals = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    if not vals:
+        return {"mean": float("nan"), "std": float("nan"), "n": 0}
+    std = statistics.stdev(vals) if len(vals) > 1 else 0.0
+    return {"mean": statistics.fmean(vals), "std": std, "n": len(vals)}
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def machine_info() -> dict[str, Any]:
+    """Python, platform, CPU count and load, and library versions that set the speed of what is timed."""
+    info: dict[str, Any] = {"python": platform.python_version(), "platform": platform.platform(),
+                            "cpu_count": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+    try:
+        info["load_average_1m"] = round(os.getloadavg()[0], 2)
+    except OSError:
+        pass
+    try:
+        import numpy
+
+        info["numpy"] = numpy.__version__
+    except ImportError:
+        pass
+    for name in ("torch", "transformers"):
+        module = __import__("sys").modules.get(name)
+        if module is not None:
+            info[name] = module.__version__
+    return info
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe copy: non-finite floats become None, numpy scalars and arrays become Python values."""
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    if hasattr(value, "tolist"):
+        return _clean(value.tolist())
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    return value
+
+
+def write_report(name: str, out_dir: str | Path, settings: dict, results: dict, *, quick: bool,
+                 started: float) -> Path:
+    """Write ``<out_dir>/<name>.json``: benchmark name, settings, results, machine, commit and duration.
+
+    Returns:
+        The JSON path.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"benchmark": name, "quick": bool(quick), "settings": settings, "results": results,
+              "machine": machine_info(), "git_commit": git_commit(),
+              "duration_s": round(time.perf_counter() - started, 2)}
+    path = out / f"{name}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(_clean(report), indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def figure_path(name: str, out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return out / f"{name}.png"
+
+
+def pyplot():
+    """matplotlib's pyplot on the non-interactive Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
