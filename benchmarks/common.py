@@ -16,8 +16,9 @@ import platform
 import statistics
 import subprocess
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 REPORT_DIR = REPO_ROOT / "reports" / "benchmarks"
@@ -34,14 +35,26 @@ def parse_args(description: str, argv: Sequence[str] | None = None) -> argparse.
     return parser.parse_args(argv)
 
 
-def set_torch_threads(num_threads: int) -> int:
-    """Set torch's intra-op thread count (when torch is used); returns the count in effect."""
+@contextmanager
+def torch_threads(num_threads: int) -> Iterator[int]:
+    """Run the block with torch's intra-op thread count set to ``num_threads``; restore it afterwards.
+
+    Yields:
+        The thread count in effect.
+
+    Raises:
+        ValueError: ``num_threads < 1``.
+    """
     import torch
 
     if num_threads < 1:
         raise ValueError(f"--threads={num_threads} must be >= 1")
+    previous = torch.get_num_threads()
     torch.set_num_threads(num_threads)
-    return torch.get_num_threads()
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(previous)
 
 
 def timed(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> tuple[float, list[float], Any]:

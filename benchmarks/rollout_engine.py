@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
-from benchmarks.common import figure_path, parse_args, pyplot, set_torch_threads, write_report
+from benchmarks.common import figure_path, parse_args, pyplot, torch_threads, write_report
 
 NAME = "rollout_engine"
 SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -190,6 +190,9 @@ def plot(models: dict, path) -> None:
                 label=f"{name}: model.generate")
     ax.set(xscale="log", yscale="log", xlabel="batch (sequences)", ylabel="generated tokens / s",
            title="Sampling throughput, same prompts and settings")
+    from matplotlib.ticker import NullFormatter
+
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.legend(fontsize=7)
     ax = axes[1]
     modes = ("new_tokens_alone", "reuse", "recompute")
@@ -214,11 +217,17 @@ def plot(models: dict, path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     """Run the benchmark; returns the results (also written to ``--out``)."""
+    args = parse_args(__doc__.splitlines()[0], argv)
+    with torch_threads(args.threads) as threads:
+        return run(args, threads)
+
+
+def run(args: Any, threads: int) -> dict:
+    """The measurements of ``main`` with torch's thread count already set to ``threads``."""
     from trace.config import KGQAConfig, PolicyConfig
     from trace.envs.kgqa import KGQAEnvironment
     from trace.policy.model import build_tiny_policy
 
-    args = parse_args(__doc__.splitlines()[0], argv)
     started = time.perf_counter()
     if args.quick:
         tiny = {"batch_sizes": [1, 8], "new_tokens": 8, "repeats": 1, "prefix_tokens": 64, "continuations": 4,
@@ -229,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 "continuations": 8, "prefix_new_tokens": 16, "rollout_prompts": 32, "rollout_group_size": 4}
         smol = {"batch_sizes": [1, 8], "new_tokens": 32, "repeats": 3, "prefix_tokens": 256, "continuations": 8,
                 "prefix_new_tokens": 16}
-    settings = {"tiny": tiny, "smollm2": smol, "torch_threads": set_torch_threads(args.threads),
+    settings = {"tiny": tiny, "smollm2": smol, "torch_threads": threads,
                 "sampling": "temperature 1, top_p 1, top_k off, fixed length"}
     env = KGQAEnvironment(KGQAConfig(), seed=0)
     models: dict[str, dict] = {}

@@ -169,6 +169,8 @@ def prefix_grid(rng: np.random.Generator, sizes: Sequence[int], repeats: int) ->
 
 def plot(roots: list[dict], prefixes: list[dict], path) -> None:
     plt = pyplot()
+    from matplotlib.ticker import NullFormatter
+
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     ax = axes[0]
     for m_max, marker in ((16, "o"), (64, "s")):
@@ -182,15 +184,18 @@ def plot(roots: list[dict], prefixes: list[dict], path) -> None:
            title="Stage 1: Lagrangian solver")
     ax.legend(fontsize=7)
     ax = axes[1]
-    for budget_share, style in ((0.25, "o--"), (1.0, "s-")):
+    for budget_share, style, color in ((0.25, "o--", "C0"), (1.0, "s-", "C1")):
         pts = [r for r in prefixes if r["budget"] == int(r["anchors"] * budget_share)]
-        ax.plot([r["anchors"] for r in pts], [r["seconds"] for r in pts], style, label=f"budget = {budget_share:g} A")
-        ax.plot([r["anchors"] for r in pts], [r["heap_seconds"] for r in pts], style, alpha=0.4,
+        ax.plot([r["anchors"] for r in pts], [r["seconds"] for r in pts], style, color=color,
+                label=f"allocate_prefixes, budget = {budget_share:g} A")
+        ax.plot([r["anchors"] for r in pts], [r["heap_seconds"] for r in pts], style, color=color, alpha=0.35,
                 label=f"heap reference, budget = {budget_share:g} A")
     ax.axhline(0.2, color="grey", linestyle=":", label="target 0.2 s at 1e5")
     ax.set(xscale="log", yscale="log", xlabel="anchors A", ylabel="seconds (median, 1 core)",
            title="Stage 2: greedy by marginal gain")
     ax.legend(fontsize=7)
+    for ax in axes:
+        ax.xaxis.set_minor_formatter(NullFormatter())
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

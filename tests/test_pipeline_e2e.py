@@ -80,8 +80,8 @@ def test_pipeline_runs_end_to_end_then_caches_and_reruns_only_downstream_of_a_ch
     assert again.returncode == 0
     assert "Running stage" not in again.stdout, again.stdout
 
-    params = (project_dir / "params.yaml").read_text().replace("update: {micro_batch_size: 16}",
-                                                               "update: {micro_batch_size: 16, lr: 0.0002}")
+    params = (project_dir / "params.yaml").read_text().replace("update: {micro_batch_size: 16, zero_stage: 0}",
+                                                               "update: {micro_batch_size: 16, zero_stage: 0, lr: 0.0002}")
     (project_dir / "params.yaml").write_text(params)
     status = _dvc(project_dir, env, "status")
     changed = status.stdout

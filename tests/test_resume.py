@@ -37,7 +37,7 @@ import torch
 state = trainer.updater.policy_state_dict()
 digest = __import__("hashlib").sha256(b"".join(state[k].numpy().tobytes() for k in sorted(state))).hexdigest()
 (run_dir / "weights.sha256").write_text(digest)
-(run_dir / "history.json").write_text(json.dumps([{k: v for k, v in h.items() if not k.startswith("time/")}
+(run_dir / "history.json").write_text(json.dumps([{k: v for k, v in h.items() if not k.startswith("time/") and "seconds" not in k}
                                                  for h in trainer.history], sort_keys=True))
 """
 

@@ -467,9 +467,17 @@ class Trainer:
         timings["time/rollout"] = time.perf_counter() - t0
 
         unspent = self._expand(trees, counts, expansion_budget, step, timings) if self.spec.root_rule != "dapo" else 0
-        if unspent > 0:
-            # only when no trajectory had a non-terminal prefix (every rollout ended in one turn)
-            metrics["allocation/unspent"] = float(unspent)
+        if unspent > 0 and trees:
+            # no trajectory had a non-terminal prefix (every rollout ended in one turn): keep the step at T
+            # trajectories with extra bare rollouts from the roots, spread like the root allocation
+            from trace.rollout import expand_prefixes
+
+            extra = split_expansion_budget(counts, unspent)
+            expand_prefixes(self.policy, self.env, trees,
+                            {(i, 0): int(k) for i, k in enumerate(extra) if k > 0},
+                            sampling_spec(cfg.rollout, step_seed(cfg.seed, step, "extra_roots")),
+                            max_context_tokens=cfg.policy.max_context_tokens)
+            metrics["allocation/extra_root_rollouts"] = float(unspent)
         if self.spec.root_rule == "dapo":
             all_for_metrics = all_trees
         else:

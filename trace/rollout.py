@@ -83,8 +83,15 @@ class _Trajectory:
     anchor_id: int
 
 
-def make_backend(policy: Any, sampling: SamplingSpec, *, reuse_prefix_cache: bool = True) -> Any:
-    """The default generation backend for ``policy``: ``HFBackend`` with ``sampling.batch_size`` rows."""
+def make_backend(policy: Any, sampling: SamplingSpec, *, reuse_prefix_cache: bool = True,
+                 rollout_cfg: RolloutConfig | None = None) -> Any:
+    """The generation backend for ``policy``: ``HFBackend`` with ``sampling.batch_size`` rows, or, when
+    ``rollout_cfg.backend == "vllm"``, the process-wide ``VLLMBackend`` of the policy (started on first use,
+    following the policy's weight updates; see ``trace.policy.vllm_backend``)."""
+    if rollout_cfg is not None and rollout_cfg.backend == "vllm":
+        from trace.policy.vllm_backend import VLLMEngineSettings, shared_vllm_backend
+
+        return shared_vllm_backend(policy, VLLMEngineSettings.from_rollout_config(rollout_cfg))
     from trace.policy.backends import HFBackend
 
     return HFBackend(policy.model, policy.tokenizer, max_batch_size=sampling.batch_size,

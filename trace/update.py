@@ -585,20 +585,26 @@ class PolicyUpdater:
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
-        client_state = {_CLIENT_STATE_KEY: {"rng": rng, "pad_token_id": self.pad_token_id}}
+        client_state = {_CLIENT_STATE_KEY: {"rng": rng, "pad_token_id": self.pad_token_id},
+                        # lets deepspeed.checkpoint.ds_to_universal convert the checkpoint (no model parallelism)
+                        "universal_checkpoint_info": {"universal_checkpoint_version": 0.4}}
         self.engine.save_checkpoint(str(save_dir), tag=tag, client_state=client_state)
         if self.ref_model is not None and int(os.environ.get("RANK", "0")) == 0:
             torch.save(self.ref_model.state_dict(), save_dir / REFERENCE_POLICY_FILE)
 
-    def load_checkpoint(self, load_dir: str | Path, tag: str | None = None) -> str:
+    def load_checkpoint(self, load_dir: str | Path, tag: str | None = None, *, universal: bool = False) -> str:
         """Restore a ``save_checkpoint`` folder: weights, optimizer state, counters, RNG (and KL reference).
 
         The next ``rl_step`` then gives the same result as it would have in the saving process (same
-        ZeRO stage and device).
+        ZeRO stage and device). A ZeRO-1/2/3 checkpoint holds one optimizer shard per rank, so it loads only
+        into the same number of ranks; to resume on a different number, convert it first
+        (``convert_to_universal_checkpoint``) and load the converted tag with ``universal=True``.
 
         Args:
             load_dir: the folder given to ``save_checkpoint``.
-            tag: the tag to load; ``None`` = the one named in ``<load_dir>/latest``.
+            tag: the tag to load; ``None`` = the one named in ``<load_dir>/latest`` (``latest_universal``
+                when ``universal``).
+            universal: ``tag`` is a DeepSpeed universal checkpoint (loads into any number of ranks).
 
         Returns:
             The path DeepSpeed loaded.
@@ -610,8 +616,13 @@ class PolicyUpdater:
         if not load_dir.is_dir():
             raise FileNotFoundError(f"checkpoint folder {load_dir} does not exist; pass a folder written by "
                                     "PolicyUpdater.save_checkpoint")
-        path, client_state = self.engine.load_checkpoint(
-            str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+        was_universal = self.engine._config.load_universal_checkpoint
+        self.engine._config.load_universal_checkpoint = bool(universal)
+        try:
+            path, client_state = self.engine.load_checkpoint(
+                str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+        finally:
+            self.engine._config.load_universal_checkpoint = was_universal
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint in {load_dir} (tag {tag!r}; need a 'latest' file or "
                                     "the tag's folder); pass a folder written by PolicyUpdater.save_checkpoint")
@@ -626,3 +637,42 @@ class PolicyUpdater:
             self.ref_model.load_state_dict(torch.load(ref_path, map_location=self.device, weights_only=True))
         self.engine.eval()
         return str(path)
+
+
+def convert_to_universal_checkpoint(checkpoint_dir: str | Path, tag: str, universal_tag: str | None = None) -> str:
+    """Convert the ZeRO checkpoint ``<checkpoint_dir>/<tag>`` into a DeepSpeed universal checkpoint.
+
+    Runs ``python -m deepspeed.checkpoint.ds_to_universal`` (one process, CPU only): every parameter's fp32
+    weights and Adam moments are gathered from the per-rank shards into one file per parameter, which any
+    number of ranks and any ZeRO stage can load (``PolicyUpdater.load_checkpoint(..., universal=True)``).
+    It also writes ``<checkpoint_dir>/latest_universal``.
+
+    Args:
+        checkpoint_dir: the folder given to ``PolicyUpdater.save_checkpoint``.
+        tag: the checkpoint to convert (a ZeRO stage 1-3 checkpoint written by ``save_checkpoint``).
+        universal_tag: name of the converted tag; ``None`` = ``f"{tag}_universal"``.
+
+    Returns:
+        The universal tag.
+
+    Raises:
+        FileNotFoundError: ``<checkpoint_dir>/<tag>`` does not exist.
+        RuntimeError: the converter failed (its output is included), e.g. on a ZeRO stage 0 checkpoint,
+            which holds the whole optimizer state and loads into any number of ranks as it is.
+    """
+    import subprocess
+    import sys
+
+    checkpoint_dir = Path(checkpoint_dir)
+    universal_tag = universal_tag or f"{tag}_universal"
+    if not (checkpoint_dir / tag).is_dir():
+        raise FileNotFoundError(f"no checkpoint {checkpoint_dir / tag}; pass the folder and tag given to save_checkpoint")
+    proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+                           "--input_folder", str(checkpoint_dir / tag),
+                           "--output_folder", str(checkpoint_dir / universal_tag)],
+                          capture_output=True, text=True, env={**os.environ, "DS_ACCELERATOR": os.environ.get(
+                              "DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")})
+    if proc.returncode != 0:
+        raise RuntimeError(f"ds_to_universal failed on {checkpoint_dir / tag} (exit {proc.returncode}):\n"
+                           f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return universal_tag

@@ -15,7 +15,8 @@ tool observation between turns (``model.generate`` handles that badly, STACK.md)
   prefilled once and their KV is expanded to the copies by an index select.
 - The KV of every sequence of the previous call is kept. A new prefix that extends a kept sequence (the same
   trajectory after its tool observation was appended) feeds only the new tokens; the kept KV is dropped
-  when the model's weights change (an in-place optimizer step) or on ``clear_cache()``.
+  when the model's weights change (an in-place optimizer step) or on ``clear_cache()``. Kept rows are
+  repacked to their real slots, so padding holes do not accumulate from turn to turn.
 - Finished sequences are dropped from the working batch once enough of them accumulate.
 - Each request samples from its own ``torch.Generator`` seeded from (call seed, request index): the same
   model, prefixes and seed give the same tokens, whatever the batch size, chunking or prefix sharing.
@@ -174,6 +175,24 @@ def _hash_extend(h: int, token_ids: Sequence[int]) -> int:
     return h
 
 
+def _cache_kwarg(model: Any) -> str:
+    """Name of the KV-cache argument of ``model.forward``: ``cache`` (transformers >= 5.24) or ``past_key_values``
+    (earlier 5.x, e.g. the 5.19 that vLLM 0.32 pins)."""
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "cache"
+    return "cache" if "cache" in params or "past_key_values" not in params else "past_key_values"
+
+
+def _output_cache(out: Any) -> Any:
+    """The KV cache returned by a forward pass, under either transformers 5.x name."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
 @dataclass
 class _KVBlock:
     """KV of a set of finished sequences kept for the next call.
@@ -213,6 +232,10 @@ class HFBackend:
         keep_cache_between_calls: keep the KV of the last call's sequences for prefixes that extend them.
         compact_fraction: drop finished rows from the working batch once the unfinished ones are at most
             this share of it.
+
+    Attributes:
+        stats: running counts: ``prefill_tokens`` (prefix tokens run through the model), ``reused_tokens``
+            (prefix tokens served from kept KV), ``decode_steps`` (sampling steps), ``forward_passes``.
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, max_batch_size: int = 256, reuse_prefix_cache: bool = True,
@@ -237,6 +260,7 @@ class HFBackend:
         self._kept: list[_KVBlock] = []
         self._kept_index: dict[tuple[int, int], tuple[int, int]] = {}
         self._kept_version: int | None = None
+        self._cache_kwarg = _cache_kwarg(model)
         self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "decode_steps": 0, "forward_passes": 0}
 
     # ---- kept KV between calls ----------------------------------------------------------------------
@@ -348,29 +372,42 @@ class HFBackend:
         num = len(prefixes)
         matches = [self._find_kept(p) for p in prefixes]
         used_blocks = sorted({m[0] for m in matches if m is not None})
-        past_len = max((self._kept[b].attention_mask.shape[1] for b in used_blocks), default=0)
+        # Kept rows carry holes (padding, slots of rows that had finished); only their real slots are copied,
+        # right-aligned, so the past is as wide as the longest kept context. Slot order is kept and positions
+        # are baked into the keys (rotary), so moving slots changes nothing the attention sees.
+        gathers = []  # (block, source rows, destination rows, slot index (n, L), real-slot counts (n,))
+        for b in used_blocks:
+            block = self._kept[b]
+            dest = [i for i, m in enumerate(matches) if m is not None and m[0] == b]
+            src = torch.tensor([matches[i][1] for i in dest], dtype=torch.long)
+            mask = block.attention_mask[src]  # (n, S)
+            counts = mask.sum(dim=1)
+            real_first = torch.argsort(1 - mask, dim=1, stable=True)  # real slots first, in order
+            gathers.append((block, src, torch.tensor(dest, dtype=torch.long), real_first, counts))
+        past_len = max((int(g[4].max()) for g in gathers), default=0)
         next_position = torch.zeros(num, dtype=torch.long)
         past_mask = torch.zeros(num, past_len, dtype=torch.long)
         layer_kv = None
-        if used_blocks:
-            first = self._kept[used_blocks[0]]
-            num_layers = len(first.keys)
+        if gathers:
+            first = gathers[0][0]
             layer_kv = []
-            for layer in range(num_layers):
+            for layer in range(len(first.keys)):
                 shape = list(first.keys[layer].shape)
                 shape[0], shape[2] = num, past_len
                 layer_kv.append([first.keys[layer].new_zeros(shape), first.values[layer].new_zeros(shape)])
-            for b in used_blocks:
-                block = self._kept[b]
-                dest = [i for i, m in enumerate(matches) if m is not None and m[0] == b]
-                src = torch.tensor([matches[i][1] for i in dest], dtype=torch.long)
-                dest_t = torch.tensor(dest, dtype=torch.long)
-                width = block.attention_mask.shape[1]
-                past_mask[dest_t, :width] = block.attention_mask[src]
-                next_position[dest_t] = block.next_position[src]
-                for layer in range(num_layers):
-                    layer_kv[layer][0][dest_t.to(device), :, :width] = block.keys[layer][src.to(device)]
-                    layer_kv[layer][1][dest_t.to(device), :, :width] = block.values[layer][src.to(device)]
+            column = torch.arange(past_len)
+            for block, src, dest, real_first, counts in gathers:
+                src_col = column[None, :] - (past_len - counts)[:, None]  # (n, L); < 0 is left padding
+                is_real = src_col >= 0
+                slot = real_first.gather(1, src_col.clamp(min=0))  # (n, L) slot in the block
+                past_mask[dest] = is_real.long()
+                next_position[dest] = block.next_position[src]
+                src_dev, dest_dev = src.to(device), dest.to(device)
+                for layer, (keys, values) in enumerate(layer_kv):
+                    k = block.keys[layer].index_select(0, src_dev)  # (n, H, S, D)
+                    idx = slot.to(device)[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+                    keys[dest_dev] = k.gather(2, idx)
+                    values[dest_dev] = block.values[layer].index_select(0, src_dev).gather(2, idx)
         new_tokens = [p[m[2]:] if m is not None else p for p, m in zip(prefixes, matches)]
         width = max(len(t) for t in new_tokens)
         input_ids = torch.full((num, width), self.pad_token_id, dtype=torch.long)
@@ -389,10 +426,11 @@ class HFBackend:
                 cache.update(k, v, layer)
         attention_mask = torch.cat([past_mask, chunk_mask], dim=1)
         out = self.model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                         position_ids=position_ids.to(device), cache=cache, use_cache=True, logits_to_keep=1)
+                         position_ids=position_ids.to(device), use_cache=True, logits_to_keep=1,
+                         **{self._cache_kwarg: cache})
         self.stats["forward_passes"] += 1
         next_position = next_position + torch.tensor([len(t) for t in new_tokens], dtype=torch.long)
-        return _Batch(out.cache, attention_mask, next_position), out.logits[:, -1, :]
+        return _Batch(_output_cache(out), attention_mask, next_position), out.logits[:, -1, :]
 
     def _keep_rows(self, batch: _Batch, rows: list[int], token_ids: list[tuple[int, ...]],
                    new_kept: list[_KVBlock], device: Any) -> None:
@@ -469,9 +507,10 @@ class HFBackend:
             is_live[unfinished] = 1
             batch.attention_mask = torch.cat([batch.attention_mask, is_live[:, None]], dim=1)
             out = self.model(input_ids=tokens[:, None].to(device), attention_mask=batch.attention_mask.to(device),
-                             position_ids=batch.next_position[:, None].to(device), cache=batch.cache, use_cache=True)
+                             position_ids=batch.next_position[:, None].to(device), use_cache=True,
+                             **{self._cache_kwarg: batch.cache})
             self.stats["forward_passes"] += 1
-            batch.cache = out.cache
+            batch.cache = _output_cache(out)
             batch.next_position = batch.next_position + is_live
             logits = out.logits[:, -1, :]
         if keep:

@@ -1,0 +1,122 @@
+"""Run every benchmark, each in its own process, and write ``summary.json`` and ``summary.md`` beside them.
+
+Each benchmark runs as ``python -m benchmarks.<name>`` (so one's imports, threads and memory do not
+affect the next), in the order below, with this process's environment plus the defaults the pipeline's
+stages use (offline, CPU, quiet Prefect). The summary collects each report's ``headline`` and the wall time
+of each run; ``summary.md`` is the headline table.
+
+Usage:
+    python -m benchmarks.run_all [--quick] [--out DIR] [--only NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from benchmarks.common import REPO_ROOT, REPORT_DIR
+
+BENCHMARKS = ("solver_speed", "allocation_quality", "rollout_engine", "orchestration")
+_ENV_DEFAULTS = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "2", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                 "PREFECT_LOGGING_LEVEL": "WARNING", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
+                 "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _fmt(value, spec: str = ".3g") -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, dict) and "mean" in value:
+        return f"{value['mean']:{spec}} +- {value['std']:{spec}}"
+    if isinstance(value, bool):
+        return "met" if value else "missed"
+    if isinstance(value, float):
+        return f"{value:{spec}}"
+    return str(value)
+
+
+def headline_table(reports: dict[str, dict]) -> str:
+    """Markdown table of the targets: what was measured against what was asked."""
+    rows = []
+    alloc = reports.get("allocation_quality", {}).get("results", {}).get("headline")
+    if alloc:
+        rows.append(("trace (oracle) effective ratio / grpo", _fmt(alloc["trace_oracle_vs_grpo_effective_ratio"]),
+                     ">= 1.5", _fmt(alloc["targets"]["trace_oracle_at_least_1.5x_grpo"])))
+        rows.append(("trace (learned) effective ratio / trace (oracle)",
+                     _fmt(alloc["trace_learned_vs_oracle_effective_ratio"]), ">= 0.9",
+                     _fmt(alloc["targets"]["trace_learned_at_least_0.9x_oracle"])))
+    solver = reports.get("solver_speed", {}).get("results", {}).get("headline")
+    if solver:
+        rows.append(("root allocation B=4096, M=65536, m_max=64: seconds (1 core)",
+                     _fmt(solver["root_B4096_M65536_m_max64_seconds"]), "< 0.5", ""))
+        rows.append(("... certified gap", _fmt(solver["root_B4096_M65536_m_max64_certified_gap"]), "< 1e-3",
+                     _fmt(solver["targets"]["root_4096_65536_under_0.5s_gap_under_0.1pct"])))
+        rows.append((f"prefix allocation {solver['prefix_largest_anchors']} anchors, budget "
+                     f"{solver['prefix_largest_budget']}: seconds", _fmt(solver["prefix_largest_seconds"]), "< 0.2",
+                     _fmt(solver["targets"]["prefix_1e5_under_0.2s"])))
+    engine = reports.get("rollout_engine", {}).get("results", {}).get("headline")
+    if engine:
+        for key, value in engine["engine_vs_generate"].items():
+            rows.append((f"engine / model.generate tokens per s, {key}", _fmt(value), ">= 1", ""))
+        rows.append(("", "", "", _fmt(engine["targets"]["engine_at_least_as_fast_as_generate"])))
+        for key, value in engine["reuse_vs_new_tokens_alone"].items():
+            rows.append((f"k continuations from a shared prefix / new tokens alone, {key}", _fmt(value), "<= 1.25",
+                         ""))
+        rows.append(("", "", "", _fmt(engine["targets"]["shared_prefix_at_most_1.25x_new_tokens"])))
+    orch = reports.get("orchestration", {}).get("results", {}).get("headline")
+    if orch:
+        rows.append(("orchestration (Prefect + MLflow + Parquet) share of a default step",
+                     _fmt(orch["orchestration_share_of_step"]), "< 0.05",
+                     _fmt(orch["targets"]["orchestration_under_5pct"])))
+        rows.append(("share outside model compute (incl. predictor)", _fmt(orch["outside_model_share_of_step"]),
+                     "", ""))
+        rows.append(("no-op dvc repro: seconds", _fmt(orch["noop_dvc_repro_seconds"]), "< 5",
+                     _fmt(orch["targets"]["noop_dvc_repro_under_5s"])))
+    lines = ["| measure | result | target | |", "|---|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    """Run the benchmarks; returns the summary (also written to ``--out``)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny settings (smoke test)")
+    parser.add_argument("--out", default=str(REPORT_DIR), help=f"report folder (default {REPORT_DIR})")
+    parser.add_argument("--only", nargs="+", choices=BENCHMARKS, help="run only these benchmarks")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    env = {**_ENV_DEFAULTS, **os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    summary: dict = {"quick": args.quick, "runs": {}}
+    reports: dict[str, dict] = {}
+    for name in args.only or BENCHMARKS:
+        cmd = [sys.executable, "-m", f"benchmarks.{name}", "--out", str(out)] + (["--quick"] if args.quick else [])
+        print(f"[run_all] {' '.join(cmd[1:])}", flush=True)
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env)
+        seconds = time.perf_counter() - start
+        summary["runs"][name] = {"seconds": round(seconds, 1), "exit_code": proc.returncode}
+        report_path = out / f"{name}.json"
+        if proc.returncode == 0 and report_path.is_file():
+            reports[name] = json.loads(report_path.read_text())
+            summary["runs"][name]["headline"] = reports[name]["results"].get("headline")
+        print(f"[run_all] {name}: exit {proc.returncode} in {seconds:.0f} s", flush=True)
+    table = headline_table(reports)
+    summary["total_seconds"] = round(sum(r["seconds"] for r in summary["runs"].values()), 1)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / "summary.md").write_text(f"# Benchmark headlines{' (--quick: not results)' if args.quick else ''}\n\n"
+                                    + table + f"\nTotal wall time: {summary['total_seconds']} s.\n")
+    print(table)
+    failed = [n for n, r in summary["runs"].items() if r["exit_code"] != 0]
+    if failed:
+        raise SystemExit(f"benchmarks failed: {', '.join(failed)}")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

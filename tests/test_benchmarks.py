@@ -1,0 +1,155 @@
+"""Benchmarks: each entry point runs on its --quick setting and writes a valid report; helpers are exact."""
+
+import json
+
+import numpy as np
+import pytest
+
+from benchmarks import allocation_quality, orchestration, rollout_engine, run_all, solver_speed
+from trace.allocation.baselines import ABLATIONS, get_ablation
+from trace.allocation.prefix import allocate_prefixes, prefix_value
+from trace.config import AllocationConfig, PredictorConfig, PredictorKind, SimulatorConfig
+from trace.envs.simulator import SimulatorEnvironment
+from trace.metrics import rollout_metrics
+from trace.predictor import make_predictor
+from trace.tree import FinishReason, Origin, RolloutTree
+
+MAINS = {"solver_speed": solver_speed.main, "allocation_quality": allocation_quality.main,
+         "rollout_engine": rollout_engine.main, "orchestration": orchestration.main}
+
+
+@pytest.fixture(scope="module")
+def quick_reports(tmp_path_factory):
+    """Every benchmark's --quick run, written to one temporary folder (never to reports/)."""
+    out = tmp_path_factory.mktemp("bench")
+    for main in MAINS.values():
+        main(["--quick", "--out", str(out)])
+    return out
+
+
+# ---- entry points --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(MAINS))
+def test_quick_run_writes_json_report_and_figure(quick_reports, name):
+    report = json.loads((quick_reports / f"{name}.json").read_text())
+    assert report["benchmark"] == name and report["quick"] is True
+    assert set(report) >= {"settings", "results", "machine", "git_commit", "duration_s"}
+    assert "targets" in report["results"]["headline"]
+    assert (quick_reports / f"{name}.png").stat().st_size > 10_000
+
+
+def test_quick_solver_report_is_exact_on_small_cases(quick_reports):
+    results = json.loads((quick_reports / "solver_speed.json").read_text())["results"]
+    assert results["root_brute_force"]["dp_max_gap"] == pytest.approx(0.0, abs=1e-12)
+    assert results["root_brute_force"]["dual_bound_violations"] == 0
+    assert all(row["budget_met"] and row["gap"] < 1e-12 for row in results["prefix"])
+    assert "B=64, M=8192, m_max=16: M=8192 > B*m_max=1024" in results["headline"]["infeasible_root_pairs"]
+
+
+def test_quick_allocation_report_spends_equal_budgets(quick_reports):
+    summary = json.loads((quick_reports / "allocation_quality.json").read_text())["results"]["summary"]
+    for arm, by_setting in summary.items():
+        for cell in by_setting.values():
+            trajectories = cell["metrics"]["rollout/trajectories"]["mean"]
+            assert trajectories == 128 if arm != "dapo" else trajectories <= 128
+
+
+def test_quick_engine_generates_the_same_number_of_tokens_as_generate(quick_reports):
+    rows = json.loads((quick_reports / "rollout_engine.json").read_text())["results"]["models"]["tiny"]["throughput"]
+    for row in rows:
+        assert row["engine_tokens"] == row["hf_generate_tokens"] == row["batch"] * row["new_tokens"]
+
+
+def test_headline_table_lists_every_target(quick_reports):
+    reports = {name: json.loads((quick_reports / f"{name}.json").read_text()) for name in MAINS}
+    table = run_all.headline_table(reports)
+    for phrase in ("grpo", "certified gap", "model.generate", "shared prefix", "orchestration", "dvc repro"):
+        assert phrase in table
+
+
+# ---- helpers: hand-worked values ---------------------------------------------------------------------------
+def _tree(uid, trajectories, tree_id=None):
+    """One tree: each trajectory is (rewards along is ignored) a list of observation texts then a reward."""
+    tree = RolloutTree(tree_id=tree_id or f"t/{uid}", prompt_uid=uid, data_source="simulator", example_id=uid)
+    tree.add_node(-1, turn_idx=-1, origin=Origin.PROMPT, text="task")
+    for observations, reward in trajectories:
+        parent = 0
+        for t, obs in enumerate(observations):
+            parent = tree.add_node(parent, turn_idx=t, origin=Origin.ROLLOUT, observation_text=obs,
+                                   loss_mask=[1]).node_id
+        tree.add_node(parent, turn_idx=len(observations), origin=Origin.ROLLOUT, reward=float(reward),
+                      finish_reason=FinishReason.TERMINATED, loss_mask=[1])
+    return tree
+
+
+def test_empirical_bayes_prior_matches_the_moment_equations():
+    # rates [0.25, 0.75, 0.25, 0.75] from n=4: mu = 0.5, var = 0.0833 (ddof 1),
+    # rho = (4 * 0.0833 / 0.25 - 1) / 3 = 1/9, alpha + beta = 9 - 1 = 8 -> (4, 4)
+    trees = [_tree(f"p{i}", [([], r) for r in rewards]) for i, rewards in
+             enumerate([[1, 0, 0, 0], [1, 1, 1, 0], [0, 1, 0, 0], [1, 0, 1, 1]])]
+    assert allocation_quality.empirical_bayes_prior(trees) == pytest.approx((4.0, 4.0))
+    # all-or-nothing prompts: rho clips to 0.999, the concentration floors at 0.05 -> (0.025, 0.025)
+    polar = [_tree(f"q{i}", [([], r)] * 4) for i, r in enumerate([0, 0, 1, 1])]
+    assert allocation_quality.empirical_bayes_prior(polar) == pytest.approx((0.025, 0.025))
+
+
+def test_history_path_predictor_leaves_out_the_outcome_below_each_prefix():
+    predictor = allocation_quality.HistoryPathPredictor(1.0, 1.0)
+    tree = _tree("p", [(["progress up"], 1), (["progress down"], 0), (["progress down"], 0)])
+    mean, features = predictor._tree_features(tree)
+    # root: its own outcomes are its label -> the prior alone, 1 / 2
+    assert mean[0] == pytest.approx(0.5)
+    # node 1 (trajectory of reward 1): prior + the two other failures -> 1 / 4
+    assert mean[1] == pytest.approx(0.25)
+    # node 3 (a failure): prior + one success and one failure from the others -> 2 / 4
+    assert mean[3] == pytest.approx(0.5)
+    assert features[1, 3:].tolist() == [1.0, 1.0, 1.0]  # ups - downs, last, turns
+    assert features[3, 3:].tolist() == [-1.0, -1.0, 1.0]
+
+
+def test_history_path_predictor_never_reads_true_success_probabilities():
+    env = SimulatorEnvironment(SimulatorConfig(num_prompts=16), seed=0)
+    trees = env.sample_root_rollouts(env.prompts(), [4] * 16, np.random.default_rng(0))
+    predictor = allocation_quality.HistoryPathPredictor(0.5, 0.5)
+    predictor.fit(trees[:8])
+    ids = [list(range(len(t.nodes) - 1)) for t in trees[8:]]
+    before = predictor.predict_trees(trees[8:], ids)
+    for tree in trees[8:]:
+        for node in tree.nodes:
+            node.true_success_prob = None
+    after = predictor.predict_trees(trees[8:], ids)
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+
+
+def test_count_mixed_groups_follows_the_metric_definitions():
+    tree = _tree("p", [(["progress up"], 1), (["progress down"], 0)])
+    # two branches below node 1 (the rewarded trajectory's first turn), both rewarded: an unmixed anchor group
+    for _ in range(2):
+        tree.add_node(1, turn_idx=1, origin=Origin.BRANCH, branch_anchor_id=1, reward=1.0,
+                      finish_reason=FinishReason.TERMINATED, loss_mask=[1])
+    assert allocation_quality.count_mixed_groups([tree]) == (1, 0)
+    assert rollout_metrics([tree])["mixed_group_ratio"] == pytest.approx(1 / 2)  # prompt group of 2 groups
+
+
+def test_simulated_step_spends_the_trajectory_budget_for_every_arm():
+    acfg = AllocationConfig(trajectory_budget=32, num_candidates=8, group_size=4, m_max=8)
+    env = SimulatorEnvironment(SimulatorConfig(num_prompts=32), seed=1)
+    oracle = make_predictor(PredictorConfig(kind=PredictorKind.ORACLE), env=env)
+    for arm in ABLATIONS:
+        _, metrics = allocation_quality.simulated_step(get_ablation(arm), env, env.prompts(), oracle, acfg,
+                                                       seed=0, step=0)
+        assert metrics["rollout/trajectories"] == 32 or (arm == "dapo" and metrics["rollout/trajectories"] <= 32)
+
+
+def test_root_feasibility_names_infeasible_pairs():
+    assert solver_speed.root_feasibility(64, 8192, 2, 16) == "M=8192 > B*m_max=1024"
+    assert solver_speed.root_feasibility(4096, 65536, 2, 16) is None
+    assert solver_speed.root_feasibility(4, 3, 2, 2) == "no k <= 4 with 2k <= 3 <= 2k"
+
+
+def test_heap_reference_equals_the_vectorised_prefix_allocator():
+    rng = np.random.default_rng(3)
+    probs = rng.random(50)
+    rewards = (rng.random(50) < probs).astype(float)
+    counts = allocate_prefixes(rewards, probs, 80)
+    assert solver_speed.heap_prefix_objective(rewards, probs, 80) == pytest.approx(
+        float(prefix_value(rewards, probs, counts).sum()), rel=1e-12)
