@@ -376,7 +376,12 @@ def simulated_step(spec: AblationSpec, env: SimulatorEnvironment, pool: Sequence
             expansion = plan_expansion(spec, trees, anchor_probs, budgets, step_rng(seed, step, "expand0"),
                                        acfg.treepo_width)
             env.sample_continuations(trees, expansion.counts, step_rng(seed, step, "sim-branches"))
-            metrics["allocation/unspent"] = float(expansion.unspent)
+            if expansion.unspent > 0:
+                # as the loop does when no trajectory has a non-terminal prefix: extra bare rollouts
+                extra = split_expansion_budget(counts, expansion.unspent)
+                env.sample_continuations(trees, {(i, 0): int(k) for i, k in enumerate(extra) if k > 0},
+                                         step_rng(seed, step, "sim-extra-roots"))
+                metrics["allocation/extra_root_rollouts"] = float(expansion.unspent)
     metrics.update(rollout_metrics(trees, num_candidates=len(candidates)))
     num_prompt, num_anchor = count_mixed_groups(trees)
     metrics.update({"mixed_groups": float(num_prompt + num_anchor), "mixed_prompt_groups": float(num_prompt),
