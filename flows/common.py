@@ -112,3 +112,17 @@ def load_stage_policy(cfg, path: Path):
     from trace.policy.model import load_policy
 
     return load_policy(path, dtype=cfg.policy.dtype)
+
+
+def stage_main(flow_fn, description: str, *, ablation: bool = False, argv: list[str] | None = None):
+    """Command-line entry of a stage: set the environment, parse ``--params`` (and ``--ablation``), validate
+    the params before Prefect starts, then run the stage's flow."""
+    setup_process_env()
+    args = stage_args(description, ablation=ablation, argv=argv)
+    cfg = load_stage_config(args)
+    if not ablation:
+        return flow_fn(args.params)
+    valid = [a.value for a in cfg.train.ablations]
+    if args.ablation not in valid:
+        raise SystemExit(f"--ablation {args.ablation!r} is not in train.ablations {valid} of {args.params}")
+    return flow_fn(args.params, args.ablation)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.common import EVAL, build_environment, load_stage_config, load_stage_policy, open_run, read_split, \
-    run_dir, section_params, setup_process_env, stage_args, write_json
+from flows.common import stage_main, EVAL, build_environment, load_stage_policy, open_run, read_split, \
+    run_dir, section_params, write_json
 
 
 @flow(name="evaluate", log_prints=False)
@@ -28,10 +28,7 @@ def evaluate_flow(params: str, ablation: str) -> dict:
 
 
 def main(argv=None) -> None:
-    setup_process_env()
-    args = stage_args(__doc__.splitlines()[0], ablation=True, argv=argv)
-    load_stage_config(args)
-    evaluate_flow(args.params, args.ablation)
+    stage_main(evaluate_flow, __doc__.splitlines()[0], ablation=True, argv=argv)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.common import DATA, PREDICTOR, SEED_TREES, WARMUP_MODEL, build_environment, load_stage_config, \
-    load_stage_policy, open_run, section_params, setup_process_env, stage_args, write_json
+from flows.common import stage_main, DATA, PREDICTOR, SEED_TREES, WARMUP_MODEL, build_environment, load_stage_policy, open_run, section_params, write_json
 
 
 def make_stage_predictor(cfg, env, policy):
@@ -47,10 +46,7 @@ def fit_predictor_flow(params: str) -> dict:
 
 
 def main(argv=None) -> None:
-    setup_process_env()
-    args = stage_args(__doc__.splitlines()[0], argv=argv)
-    load_stage_config(args)
-    fit_predictor_flow(args.params)
+    stage_main(fit_predictor_flow, __doc__.splitlines()[0], argv=argv)
 
 
 if __name__ == "__main__":

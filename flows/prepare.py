@@ -6,8 +6,7 @@ from collections import Counter
 
 from prefect import flow
 
-from flows.common import PREPARED, build_environment, load_stage_config, open_run, section_params, setup_process_env, \
-    stage_args, write_json
+from flows.common import stage_main, PREPARED, build_environment, open_run, section_params, write_json
 
 
 def task_prompts(cfg, env, split: str):
@@ -41,10 +40,7 @@ def prepare_flow(params: str) -> dict:
 
 
 def main(argv=None) -> None:
-    setup_process_env()
-    args = stage_args(__doc__.splitlines()[0], argv=argv)
-    load_stage_config(args)  # fail fast on bad params, before Prefect starts
-    prepare_flow(args.params)
+    stage_main(prepare_flow, __doc__.splitlines()[0], argv=argv)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import json
 
 from prefect import flow
 
-from flows.common import DATA, REPORTS, load_stage_config, setup_process_env, stage_args, write_json
+from flows.common import stage_main, DATA, REPORTS, write_json
 
 STEP_KEYS = ("effective_ratio", "effective_token_ratio", "reward/mean", "tokens/generated", "accuracy/eval",
              "tokens/cumulative", "active_prompt_ratio", "predictor/brier")
@@ -120,10 +120,7 @@ def report_flow(params: str) -> dict:
 
 
 def main(argv=None) -> None:
-    setup_process_env()
-    args = stage_args(__doc__.splitlines()[0], argv=argv)
-    load_stage_config(args)
-    report_flow(args.params)
+    stage_main(report_flow, __doc__.splitlines()[0], argv=argv)
 
 
 if __name__ == "__main__":

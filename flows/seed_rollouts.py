@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.common import DATA, SEED_TREES, WARMUP_MODEL, build_environment, load_stage_config, load_stage_policy, \
-    open_run, read_split, section_params, setup_process_env, stage_args, write_json
+from flows.common import stage_main, DATA, SEED_TREES, WARMUP_MODEL, build_environment, load_stage_policy, \
+    open_run, read_split, section_params, write_json
 
 
 @flow(name="seed_rollouts", log_prints=False)
@@ -33,10 +33,7 @@ def seed_rollouts_flow(params: str) -> dict:
 
 
 def main(argv=None) -> None:
-    setup_process_env()
-    args = stage_args(__doc__.splitlines()[0], argv=argv)
-    load_stage_config(args)
-    seed_rollouts_flow(args.params)
+    stage_main(seed_rollouts_flow, __doc__.splitlines()[0], argv=argv)
 
 
 if __name__ == "__main__":

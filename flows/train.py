@@ -10,8 +10,7 @@ from __future__ import annotations
 from prefect import flow, task
 from prefect.cache_policies import NONE
 
-from flows.common import PREDICTOR, PREPARED, WARMUP_MODEL, build_environment, load_stage_config, \
-    load_stage_policy, open_run, read_split, run_dir, section_params, setup_process_env, stage_args, write_json
+from flows.common import stage_main, PREDICTOR, WARMUP_MODEL, build_environment, load_stage_policy, open_run, read_split, run_dir, section_params, write_json
 
 TRAIN_SECTIONS = ("seed", "task", "policy", "rollout", "predictor", "allocation", "advantages", "update", "train")
 
@@ -54,12 +53,7 @@ def train_flow(params: str, ablation: str) -> dict:
 
 
 def main(argv=None) -> None:
-    setup_process_env()
-    args = stage_args(__doc__.splitlines()[0], ablation=True, argv=argv)
-    cfg = load_stage_config(args)
-    if args.ablation not in [a.value for a in cfg.train.ablations]:
-        raise SystemExit(f"--ablation {args.ablation!r} is not in train.ablations {[a.value for a in cfg.train.ablations]}")
-    train_flow(args.params, args.ablation)
+    stage_main(train_flow, __doc__.splitlines()[0], ablation=True, argv=argv)
 
 
 if __name__ == "__main__":

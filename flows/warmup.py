@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.common import DATA, WARMUP_MODEL, build_environment, load_stage_config, open_run, read_split, \
-    section_params, setup_process_env, stage_args, write_json
+from flows.common import stage_main, DATA, WARMUP_MODEL, build_environment, open_run, read_split, \
+    section_params, write_json
 
 
 def build_policy(cfg, env):
@@ -54,10 +54,7 @@ def warmup_flow(params: str) -> dict:
 
 
 def main(argv=None) -> None:
-    setup_process_env()
-    args = stage_args(__doc__.splitlines()[0], argv=argv)
-    load_stage_config(args)
-    warmup_flow(args.params)
+    stage_main(warmup_flow, __doc__.splitlines()[0], argv=argv)
 
 
 if __name__ == "__main__":

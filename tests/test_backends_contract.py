@@ -14,7 +14,6 @@ engine for the refresh check, and two replicas for the data-parallel check.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 from dataclasses import dataclass

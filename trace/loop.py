@@ -17,20 +17,19 @@ Simplifications: one process (world size 1) on CPU; multi-GPU runs go through De
 
 from __future__ import annotations
 
-import copy
 import json
 import shutil
 import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
 from trace.allocation.baselines import get_ablation, plan_expansion, plan_root_counts, run_dapo
 from trace.allocation.prefix import candidate_anchors, split_expansion_budget
-from trace.config import AdvantageConfig, AllocationConfig, Config, RolloutConfig
+from trace.config import Config, RolloutConfig
 from trace.envs.base import Environment, Prompt
 from trace.tree import RolloutTree
 from trace.tree_io import atomic_write_bytes, read_trees, tree_path, write_trees
@@ -335,21 +334,6 @@ class Trainer:
             path = tree_path(self.trees_root, self.ablation, s)
             if path.is_file():
                 out.extend(read_trees(path))
-        return out
-
-    def summary(self) -> dict[str, float]:
-        """Means over all steps run so far of the headline metrics, and the last in-training evaluation."""
-        out: dict[str, float] = {"train/steps": float(len(self.history))}
-        for key in ("effective_ratio", "effective_token_ratio", "active_prompt_ratio", "mixed_group_ratio",
-                    "reward/mean", "tokens/generated", "rollout/trajectories", "tools/calls", "time/step",
-                    "predictor/brier", "predictor/auc"):
-            vals = [h[key] for h in self.history if key in h]
-            if vals:
-                out[f"mean/{key}"] = float(np.mean(vals))
-        evals = [h["accuracy/eval"] for h in self.history if "accuracy/eval" in h]
-        if evals:
-            out["last/accuracy_eval"] = float(evals[-1])
-        out["tokens/cumulative"] = self.cumulative_tokens
         return out
 
     # ---- one step ----------------------------------------------------------------------------------------

@@ -102,7 +102,7 @@ def stage_run(stage: str, *, tracking_uri: str | None, experiment_name: str, par
         ``StageRun``; the run ends FINISHED on success and FAILED on an exception.
     """
     import mlflow
-    from mlflow.entities import Param, RunTag
+    from mlflow.entities import Param
     from mlflow.tracking import MlflowClient
 
     uri = resolve_tracking_uri(tracking_uri)

@@ -212,7 +212,6 @@ def _fill_active(p: np.ndarray, active: np.ndarray, root_budget: int, m_min: int
 
 def _unit_order(p: np.ndarray, m_min: int, m_max: int) -> np.ndarray:
     """Flat ids ``i * width + (m - m_min)`` of the increments ``m -> m + 1``, best first, ties by id."""
-    width = m_max - m_min
     steps = np.arange(m_min, m_max, dtype=np.float64)
     gains = activation_increment(p[:, None], steps[None, :]).ravel()  # (B * width,)
     flat = np.arange(gains.size, dtype=np.int64)

@@ -48,7 +48,7 @@ import os
 import shutil
 import tempfile
 import weakref
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -88,7 +88,8 @@ class VLLMEngineSettings:
             ``[r * tp, (r + 1) * tp)`` of the visible devices.
         gpu_memory_utilization: share of each GPU's memory vLLM may take (weights + KV cache), in (0, 1];
             leave room for the DeepSpeed policy when both share a GPU.
-        dtype: engine weights dtype (``"auto"`` = the checkpoint's, ``"float32"``, ``"bfloat16"``, ...).
+        dtype: engine weights dtype (``"float32"``, ``"bfloat16"``, ...; vLLM's ``"auto"`` runs float32 checkpoints
+            in 16-bit, and ``from_policy`` replaces it by the policy's dtype).
         max_model_len: longest sequence (prompt + generation) in tokens; ``None`` = the model's limit.
         seed: engine seed (requests carry their own seeds; this only seeds unseeded requests).
         enforce_eager: skip CUDA graph capture and ``torch.compile`` (faster start, slower decode).
@@ -117,10 +118,15 @@ class VLLMEngineSettings:
     @classmethod
     def from_rollout_config(cls, rollout_cfg: Any, **overrides: Any) -> "VLLMEngineSettings":
         """Settings from the ``rollout`` config section (``vllm_tensor_parallel_size``,
-        ``vllm_data_parallel_size``, ``vllm_gpu_memory_utilization``) plus explicit overrides."""
+        ``vllm_data_parallel_size``, ``vllm_gpu_memory_utilization``) plus explicit overrides.
+
+        Without CUDA (the CPU build) engines run eagerly: compiling the CPU graph costs minutes of start-up."""
+        import torch
+
         values = dict(tensor_parallel_size=rollout_cfg.vllm_tensor_parallel_size,
                       data_parallel_size=rollout_cfg.vllm_data_parallel_size,
-                      gpu_memory_utilization=rollout_cfg.vllm_gpu_memory_utilization)
+                      gpu_memory_utilization=rollout_cfg.vllm_gpu_memory_utilization,
+                      enforce_eager=not torch.cuda.is_available())
         values.update(overrides)
         return cls(**values)
 
@@ -322,7 +328,8 @@ class VLLMBackend:
 
         Args:
             policy: ``trace.policy.model.Policy`` with full (not ZeRO-3 partitioned) weights.
-            settings: engine settings; default ``VLLMEngineSettings()``.
+            settings: engine settings; default ``VLLMEngineSettings()``. ``dtype="auto"`` becomes the policy's
+                parameter dtype (vLLM's own "auto" would run a float32 checkpoint in 16-bit).
             workdir: folder for the saved policy and pushed weights (default: a new temporary folder).
             track_weights: push the policy's in-place updates before each generation (``source_model``).
             weights_fn: see ``VLLMBackend``.
@@ -334,6 +341,11 @@ class VLLMBackend:
         if _is_zero3_partitioned(policy.model):
             raise ValueError("the policy's parameters are partitioned by ZeRO-3, so they cannot be saved for vLLM; "
                              "build the vLLM backend before PolicyUpdater, or save policy_state_dict() first")
+        settings = settings or VLLMEngineSettings()
+        if settings.dtype == "auto":
+            # vLLM's "auto" runs a float32 checkpoint in 16-bit, whose logprobs then differ from the trained
+            # policy's by ~1e-2 nats; serve the policy's own dtype unless told otherwise
+            settings = replace(settings, dtype=str(next(policy.model.parameters()).dtype).removeprefix("torch."))
         owns = workdir is None
         workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="trace-vllm-"))
         model_dir = workdir / "policy"
