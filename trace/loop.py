@@ -66,7 +66,18 @@ def sampling_spec(rollout_cfg: RolloutConfig, seed: int, temperature: float | No
     from trace.rollout import SamplingSpec
 
     return SamplingSpec(temperature=rollout_cfg.temperature if temperature is None else temperature,
-                        top_p=rollout_cfg.top_p, max_new_tokens=rollout_cfg.max_new_tokens, seed=seed)
+                        top_p=rollout_cfg.top_p, max_new_tokens=rollout_cfg.max_new_tokens, seed=seed,
+                        batch_size=rollout_cfg.batch_size)
+
+
+def make_rollout_backend(policy, rollout_cfg: RolloutConfig, backend=None):
+    """``backend`` if given, else the backend ``rollout.backend`` names (HF, or the shared vLLM engine)."""
+    if backend is not None:
+        return backend
+    from trace.rollout import make_backend
+
+    return make_backend(policy, sampling_spec(rollout_cfg, 0), reuse_prefix_cache=rollout_cfg.reuse_prefix_cache,
+                        rollout_cfg=rollout_cfg)
 
 
 def root_texts(env: Environment, prompts: Sequence[Prompt]) -> list[str]:
@@ -85,6 +96,7 @@ def evaluate_policy(policy, env: Environment, prompts: Sequence[Prompt], rollout
     """
     from trace.rollout import rollout_roots
 
+    backend = make_rollout_backend(policy, rollout_cfg, backend)
     greedy = rollout_roots(policy, env, prompts, [1] * len(prompts), sampling_spec(rollout_cfg, seed, 0.0),
                            step=-1, ablation="eval", backend=backend, max_context_tokens=max_context_tokens)
     rewards = np.array([t.leaf_rewards()[0] for t in greedy])
@@ -112,7 +124,8 @@ def sampled_success(policy, env: Environment, prompts: Sequence[Prompt], rollout
     from trace.rollout import rollout_roots
 
     trees = rollout_roots(policy, env, prompts, [1] * len(prompts), sampling_spec(rollout_cfg, seed),
-                          step=-1, ablation="warmup", backend=backend, max_context_tokens=max_context_tokens)
+                          step=-1, ablation="warmup", backend=make_rollout_backend(policy, rollout_cfg, backend),
+                          max_context_tokens=max_context_tokens)
     return float(np.mean([t.leaf_rewards()[0] for t in trees]))
 
 
@@ -217,16 +230,18 @@ def collect_seed_rollouts(policy, env, prompts: Sequence[Prompt], cfg: Config, *
 
     scfg = cfg.seed_rollouts
     rng = step_rng(cfg.seed, -1, "seed_rollouts")
+    backend = make_rollout_backend(policy, cfg.rollout)
     trees = rollout_roots(policy, env, prompts, [scfg.group_size] * len(prompts),
                           sampling_spec(cfg.rollout, step_seed(cfg.seed, -1, "seed")), step=-1,
-                          ablation="seed", max_context_tokens=cfg.policy.max_context_tokens, progress=progress)
+                          ablation="seed", backend=backend, max_context_tokens=cfg.policy.max_context_tokens,
+                          progress=progress)
     budgets = split_expansion_budget(np.full(len(trees), scfg.group_size),
                                      int(round(scfg.group_size * scfg.expansion_ratio * len(trees))))
     plan = plan_expansion(get_ablation("tree_random"), trees, None, budgets, rng)
     if plan.counts:
         expand_prefixes(policy, env, trees, plan.counts,
                         sampling_spec(cfg.rollout, step_seed(cfg.seed, -1, "seed_branches")),
-                        max_context_tokens=cfg.policy.max_context_tokens)
+                        backend=backend, max_context_tokens=cfg.policy.max_context_tokens)
     return trees
 
 
@@ -269,6 +284,9 @@ class Trainer:
         self.updater = PolicyUpdater(policy.model, cfg.update, seed=cfg.seed,
                                      pad_token_id=policy.tokenizer.pad_token_id,
                                      max_tokens=cfg.policy.max_context_tokens)
+        # one backend for the whole run: the HF backend drops kept KV when the weights change, the vLLM engine
+        # reloads the updated weights and resets its prefix cache
+        self.backend = make_rollout_backend(policy, cfg.rollout)
         self.estimator = (cfg.advantages.estimator.value if cfg.advantages.estimator is not None
                           else self.spec.estimator)
         self.cumulative_tokens = 0.0
@@ -342,7 +360,7 @@ class Trainer:
 
         return rollout_roots(self.policy, self.env, prompts, list(map(int, counts)),
                              sampling_spec(self.cfg.rollout, step_seed(self.cfg.seed, step, salt)),
-                             step=step, ablation=self.ablation,
+                             step=step, ablation=self.ablation, backend=self.backend,
                              max_context_tokens=self.cfg.policy.max_context_tokens)
 
     def _predict_roots(self, prompts: Sequence[Prompt]) -> np.ndarray:
@@ -383,7 +401,7 @@ class Trainer:
                 t0 = time.perf_counter()
                 expand_prefixes(self.policy, self.env, trees, plan.counts,
                                 sampling_spec(self.cfg.rollout, step_seed(self.cfg.seed, step, f"branch{rnd}")),
-                                max_context_tokens=self.cfg.policy.max_context_tokens)
+                                backend=self.backend, max_context_tokens=self.cfg.policy.max_context_tokens)
                 timings["time/expand"] = timings.get("time/expand", 0.0) + time.perf_counter() - t0
             new_from = {i: list(range(sizes[i], len(t.nodes))) for i, t in enumerate(trees)}
             unspent = plan.unspent
@@ -460,7 +478,7 @@ class Trainer:
             expand_prefixes(self.policy, self.env, trees,
                             {(i, 0): int(k) for i, k in enumerate(extra) if k > 0},
                             sampling_spec(cfg.rollout, step_seed(cfg.seed, step, "extra_roots")),
-                            max_context_tokens=cfg.policy.max_context_tokens)
+                            backend=self.backend, max_context_tokens=cfg.policy.max_context_tokens)
             metrics["allocation/extra_root_rollouts"] = float(unspent)
         if self.spec.root_rule == "dapo":
             all_for_metrics = all_trees
@@ -512,7 +530,7 @@ class Trainer:
         if (step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.num_steps:
             t0 = time.perf_counter()
             ev, _ = evaluate_policy(self.policy, self.env, self.eval_prompts[: cfg.train.eval_prompts], cfg.rollout,
-                                    seed=step_seed(cfg.seed, 0, "eval"),
+                                    seed=step_seed(cfg.seed, 0, "eval"), backend=self.backend,
                                     max_context_tokens=cfg.policy.max_context_tokens)
             metrics["accuracy/eval"] = ev["accuracy/greedy"]
             timings["time/eval"] = time.perf_counter() - t0
