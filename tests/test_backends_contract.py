@@ -17,11 +17,6 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
-
-import pytest
-import torch
-
 from trace.config import KGQAConfig, PolicyConfig, RolloutConfig
 from trace.envs.kgqa import KGQAEnvironment
 from trace.policy.backends import Generation, GenerationBackend, HFBackend
@@ -29,6 +24,10 @@ from trace.policy.model import build_tiny_policy, load_policy, save_policy
 from trace.policy.vllm_backend import VLLMEngineSettings, replica_devices, route_requests, vllm_available
 from trace.rollout import SamplingSpec, expand_prefixes, make_backend, rollout_roots
 from trace.tree import FinishReason, Origin
+from typing import Any
+
+import pytest
+import torch
 
 HAS_VLLM = vllm_available()
 # head_dim 32: the smallest head size vLLM's CPU attention kernels support
@@ -211,8 +210,9 @@ def test_multi_turn_rollouts_and_branches_record_exact_prefixes_and_logprobs(cas
                if node.turn_idx == 0 and node.finish_reason == FinishReason.NONE and node.env_state is not None
                and not node.env_state.done}
     assert anchors, "no trajectory took a second turn"
-    added = expand_prefixes(policy, env, trees, dict(sorted(anchors.items())[:4]), SamplingSpec(max_new_tokens=12, seed=4),
-                            backend=case.backend, max_context_tokens=POLICY_CFG.max_context_tokens)
+    added = expand_prefixes(policy, env, trees, dict(sorted(anchors.items())[:4]),
+                            SamplingSpec(max_new_tokens=12, seed=4), backend=case.backend,
+                            max_context_tokens=POLICY_CFG.max_context_tokens)
     assert added == 3 * min(4, len(anchors))
     num_multi_turn = 0
     for tree in trees:
@@ -309,12 +309,12 @@ def test_make_backend_serves_hf_by_default_and_names_the_missing_vllm_package(po
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
 def test_two_data_parallel_replicas_give_replica_independent_generations_and_keep_trajectories_home(policy_dir, env):
     from dataclasses import replace
-
     from trace.policy.vllm_backend import VLLMBackend, _rolling_hashes
 
     policy = load_policy(policy_dir)
     prompts = _prompt_prefixes(env, policy, 12)
-    prefixes = [sum(prompts[i:i + 4], []) for i in range(6)] * 2  # 6 distinct prefixes of 2+ KV blocks, twice
+    # 6 distinct prefixes of 2+ KV blocks (4 prompts each), each twice
+    prefixes = [[t for prompt in prompts[i:i + 4] for t in prompt] for i in range(6)] * 2
     with VLLMBackend(policy_dir, replace(VLLM_SETTINGS, data_parallel_size=2)) as replicas:
         assert len(replicas.engines) == 2
         routing = route_requests(prefixes, range(len(prefixes)), 2, {})

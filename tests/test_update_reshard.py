@@ -85,7 +85,8 @@ def _launch(world_size: int, mode: str, folder: Path) -> None:
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
                    PYTHONPATH=str(REPO_ROOT))
         procs.append(subprocess.Popen(
-            [sys.executable, "-c", f"from tests.test_update_reshard import run_rank; run_rank({mode!r}, {str(folder)!r})"],
+            [sys.executable, "-c",
+             f"from tests.test_update_reshard import run_rank; run_rank({mode!r}, {str(folder)!r})"],
             cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = [p.communicate(timeout=300)[0] for p in procs]
     for rank, (proc, log) in enumerate(zip(procs, logs)):

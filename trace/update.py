@@ -666,11 +666,13 @@ def convert_to_universal_checkpoint(checkpoint_dir: str | Path, tag: str, univer
     checkpoint_dir = Path(checkpoint_dir)
     universal_tag = universal_tag or f"{tag}_universal"
     if not (checkpoint_dir / tag).is_dir():
-        raise FileNotFoundError(f"no checkpoint {checkpoint_dir / tag}; pass the folder and tag given to save_checkpoint")
+        raise FileNotFoundError(f"no checkpoint {checkpoint_dir / tag}; pass the folder and tag given to "
+                                "save_checkpoint")
     proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
                            "--input_folder", str(checkpoint_dir / tag),
                            "--output_folder", str(checkpoint_dir / universal_tag)],
-                          capture_output=True, text=True, env={**os.environ, "DS_ACCELERATOR": os.environ.get(
+                          check=False, capture_output=True, text=True,
+                          env={**os.environ, "DS_ACCELERATOR": os.environ.get(
                               "DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")})
     if proc.returncode != 0:
         raise RuntimeError(f"ds_to_universal failed on {checkpoint_dir / tag} (exit {proc.returncode}):\n"

@@ -48,11 +48,11 @@ import os
 import shutil
 import tempfile
 import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
-
 from trace.policy.backends import Generation, request_seed
+from typing import Any
 
 VLLM_LOGPROBS_MODE = "processed_logprobs"  # logprobs of the sampling distribution (after temperature, top-p)
 WEIGHTS_FILE = "model.safetensors"
@@ -116,7 +116,7 @@ class VLLMEngineSettings:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
 
     @classmethod
-    def from_rollout_config(cls, rollout_cfg: Any, **overrides: Any) -> "VLLMEngineSettings":
+    def from_rollout_config(cls, rollout_cfg: Any, **overrides: Any) -> VLLMEngineSettings:
         """Settings from the ``rollout`` config section (``vllm_tensor_parallel_size``,
         ``vllm_data_parallel_size``, ``vllm_gpu_memory_utilization``) plus explicit overrides.
 
@@ -323,7 +323,7 @@ class VLLMBackend:
     @classmethod
     def from_policy(cls, policy: Any, settings: VLLMEngineSettings | None = None, *,
                     workdir: str | os.PathLike | None = None, track_weights: bool = True,
-                    weights_fn: Callable[[], Mapping[str, Any]] | None = None) -> "VLLMBackend":
+                    weights_fn: Callable[[], Mapping[str, Any]] | None = None) -> VLLMBackend:
         """Save ``policy`` (model + tokenizer) to ``<workdir>/policy`` and start engines on it.
 
         Args:
@@ -447,10 +447,10 @@ class VLLMBackend:
         if self._owns_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def __enter__(self) -> "VLLMBackend":
+    def __enter__(self) -> VLLMBackend:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # ---- generation ---------------------------------------------------------------------------------------
@@ -557,7 +557,7 @@ class VLLMBackend:
 
 
 # ---- one engine per policy per process -------------------------------------------------------------------
-_SHARED: "weakref.WeakKeyDictionary[Any, tuple[tuple, VLLMBackend]]" = weakref.WeakKeyDictionary()
+_SHARED: weakref.WeakKeyDictionary[Any, tuple[tuple, VLLMBackend]] = weakref.WeakKeyDictionary()
 
 
 def shared_vllm_backend(policy: Any, settings: VLLMEngineSettings) -> VLLMBackend:

