@@ -23,7 +23,10 @@ Predictors (``--quick`` runs oracle and learned only):
   sliding window of the arm's own trees. It never reads ``true_success_prob``.
 Both learned predictors are warm-started, as the pipeline's ``seed_rollouts`` stage does, on 4 bare rollouts
 of every prompt of the pool plus random-anchor continuations at ratio 0.5, and refit after every step on the
-last ``window_steps`` steps of their own arm's trees (scored on each step's trees before the refit).
+last ``window_steps`` steps of their own arm's trees. Predictor quality (Brier, ECE, AUC over roots and
+prefixes, outcome-weighted as ``SuccessPredictor.evaluate``) is scored, for the ``trace`` arm's predictor
+before each refit, on probe trees that no predictor fits on and that are identical across settings: 4 bare
+rollouts of each of the step's candidates.
 
 Arms without a predictor (``grpo``, ``dapo``, ``tree_random``, ``treepo``) do not depend on it and run once
 per seed. Reported per arm and predictor, as mean and sample std over seeds of the per-seed mean over steps:
@@ -260,7 +263,8 @@ def predictor_quality(predictor: Any, trees: Sequence[RolloutTree]) -> dict[str,
     is_root = np.concatenate([np.asarray(ids) == 0 for _, ids in keep])
     turn = ~is_root
     return {"brier": brier_score(pred, labels, weights), "ece": expected_calibration_error(pred, labels, weights),
-            "auc": roc_auc(pred, labels, weights), "root_auc": roc_auc(pred[is_root], labels[is_root], weights[is_root]),
+            "auc": roc_auc(pred, labels, weights),
+            "root_auc": roc_auc(pred[is_root], labels[is_root], weights[is_root]),
             "prefix_auc": roc_auc(pred[turn], labels[turn], weights[turn]) if turn.any() else float("nan")}
 
 
@@ -401,6 +405,19 @@ def seed_trees(env: SimulatorEnvironment, pool: Sequence[Prompt], seed: int) -> 
     return trees
 
 
+def probe_trees(env: SimulatorEnvironment, pool: Sequence[Prompt], acfg: AllocationConfig, *, seed: int, step: int,
+                group_size: int = SEED_GROUP_SIZE) -> list[RolloutTree]:
+    """``group_size`` bare rollouts of every candidate of ``step``, drawn from ``(seed, step)`` alone.
+
+    The same trees for every predictor setting, never fitted on: the common out-of-sample set on which
+    predictors are scored (the trees an arm samples depend on its predictor, so scores on them would not
+    compare).
+    """
+    idx = candidate_indices(len(pool), acfg.num_candidates, seed, step)
+    return env.sample_root_rollouts([pool[i] for i in idx], [group_size] * len(idx),
+                                    step_rng(seed, step, "sim-probe"), step=step, ablation="probe")
+
+
 def make_setting_predictor(setting: str, env: SimulatorEnvironment, warm_trees: Sequence[RolloutTree]) -> Any:
     """The predictor of one setting, warm-started where it learns."""
     if setting == "oracle":
@@ -431,7 +448,7 @@ def run_arm(arm: str, setting: str, env: SimulatorEnvironment, pool: Sequence[Pr
         trees, metrics = simulated_step(spec, env, pool, predictor, acfg, seed=seed, step=step)
         steps.append(metrics)
         if predictor is not None and score_predictor:
-            scores.append(predictor_quality(predictor, trees))
+            scores.append(predictor_quality(predictor, probe_trees(env, pool, acfg, seed=seed, step=step)))
         if learns:
             window.append(trees)
             predictor.fit([t for step_trees in window for t in step_trees])

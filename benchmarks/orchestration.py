@@ -1,12 +1,13 @@
 """Orchestration overhead: the share of a default training step spent outside model compute, and no-op DVC.
 
-A default step: ``params.yaml`` as committed (kgqa, the tiny default policy, the ``encoder`` predictor,
-128 trajectories per step), arm ``trace``, run by ``trace.loop.Trainer.step`` with its own ``time/*``
-metrics. The policy is the default tiny model after a short SFT on solver demonstrations (``run_warmup``
-with ``sft_steps`` steps), enough for multi-turn ReAct rollouts; it is cached under
-``data/benchmarks/`` (ignored by git) because SFT takes minutes on a busy CPU. The predictor starts
-untrained (the step refits it on its sliding window, as in training); step 0 also loads MiniLM and is
-reported apart. Around each step:
+A default step: ``params.yaml`` as committed (kgqa, the tiny default policy, the predictor it names, 128
+trajectories per step), arm ``trace``, run by ``trace.loop.Trainer.step`` with its own ``time/*`` metrics
+and the predictor's own split of its refit (``predictor/feature_seconds``, ``predictor/fit_seconds``). The
+policy is the default tiny model after a short SFT on solver demonstrations (``run_warmup`` with
+``sft_steps`` steps), enough for multi-turn ReAct rollouts; it is cached under ``data/benchmarks/``
+(ignored by git) because SFT takes minutes on a busy CPU. The predictor starts untrained (the step refits it
+on its sliding window, as in training); step 0 also loads the predictor's encoder where it has one and is
+reported apart. Torch runs ``--threads`` intra-op threads (default 1). Around each step:
 - MLflow: the step's metrics logged with ``trace.tracking.StageRun.log_metrics`` (one ``log_batch``) to a
   SQLite store in a temporary folder, timed;
 - Parquet: ``time/write`` (the step's trees) plus a timed read of the predictor's window
@@ -31,6 +32,8 @@ Usage: ``python -m benchmarks.orchestration [--quick]``.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import socket
@@ -67,7 +70,10 @@ def stage_env(repo: Path) -> dict[str, str]:
         "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false",
         "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "2"),
     })
-    env.pop("PREFECT_API_URL", None)
+    # a Trainer built in this process set these for its own process group (init_distributed_env); a stage
+    # that inherited MASTER_PORT would try to listen on the port this process holds
+    for key in ("PREFECT_API_URL", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
     return env
 
 
@@ -79,7 +85,9 @@ def warm_policy(cfg: Any, env: Any, sft_steps: int, sft_batch: int, sft_lr: floa
     from trace.loop import run_warmup
     from trace.policy.model import build_tiny_policy, load_policy, save_policy
 
-    key = f"policy-{cfg.params_hash()}-sft{sft_steps}-b{sft_batch}-lr{sft_lr:g}"
+    # the sections the warm weights depend on (not the predictor's or the allocation's)
+    blob = json.dumps({k: cfg.model_dump(mode="json")[k] for k in ("seed", "task", "policy", "update")}, sort_keys=True)
+    key = f"policy-{hashlib.sha256(blob.encode()).hexdigest()[:12]}-sft{sft_steps}-b{sft_batch}-lr{sft_lr:g}"
     path = CACHE_DIR / key
     if cache and path.is_dir():
         return load_policy(path), {"sft_steps": sft_steps, "cached": str(path.relative_to(REPO_ROOT))}
@@ -143,9 +151,11 @@ def default_steps(params: Path, num_steps: int, *, sft_steps: int, sft_batch: in
                 row = {k: float(v) for k, v in metrics.items() if k.startswith("time/")}
                 row.update({"step": step, "mlflow_log_seconds": log_seconds[-1], "parquet_read_window_seconds":
                             read_seconds, "window_trees": len(window), "num_metrics": len(metrics)})
-                for key in ("predictor/fit_feature_seconds", "predictor/fit_fit_seconds", "turns/mean",
-                            "tokens/generated", "rollout/trajectories", "rollout/branches", "effective_ratio",
-                            "reward/mean"):
+                for key, value in metrics.items():  # the predictor's own split: features vs head training
+                    if key.startswith("predictor/") and key.endswith("seconds"):
+                        row[key] = float(value)
+                for key in ("turns/mean", "tokens/generated", "rollout/trajectories", "rollout/branches",
+                            "effective_ratio", "reward/mean"):
                     if key in metrics:
                         row[key] = float(metrics[key])
                 steps.append(row)
@@ -288,7 +298,7 @@ def plot(step_share: dict, steps: list[dict], dvc: dict, path) -> None:
         left += value
     ax.set_yticks([])
     ax.set_xlabel("seconds per step (median over measured steps)")
-    ax.set_title(f"Default step: orchestration {100 * step_share['orchestration_share']:.2f}% , "
+    ax.set_title(f"Default step: orchestration {100 * step_share['orchestration_share']:.2f}%, "
                  f"outside model {100 * step_share['outside_model_share']:.1f}%")
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=2)
     ax = axes[1]

@@ -3,7 +3,8 @@
 Each benchmark runs as ``python -m benchmarks.<name>`` (so one's imports, threads and memory do not
 affect the next), in the order below, with this process's environment plus the defaults the pipeline's
 stages use (offline, CPU, quiet Prefect). The summary collects each report's ``headline`` and the wall time
-of each run; ``summary.md`` is the headline table.
+of each run; ``summary.md`` is the headline table. With ``--only``, the other benchmarks' reports already in
+``--out`` (of the same ``--quick`` setting) stay in the summary.
 
 Usage:
     python -m benchmarks.run_all [--quick] [--out DIR] [--only NAME ...]
@@ -105,8 +106,16 @@ def main(argv: Sequence[str] | None = None) -> dict:
             reports[name] = json.loads(report_path.read_text())
             summary["runs"][name]["headline"] = reports[name]["results"].get("headline")
         print(f"[run_all] {name}: exit {proc.returncode} in {seconds:.0f} s", flush=True)
-    table = headline_table(reports)
-    summary["total_seconds"] = round(sum(r["seconds"] for r in summary["runs"].values()), 1)
+    for name in BENCHMARKS:  # reports of benchmarks not run now (--only) stay in the summary
+        report_path = out / f"{name}.json"
+        if name not in summary["runs"] and report_path.is_file():
+            report = json.loads(report_path.read_text())
+            if bool(report.get("quick")) == args.quick:
+                reports[name] = report
+                summary["runs"][name] = {"seconds": report.get("duration_s"), "exit_code": 0, "from_earlier_run": True,
+                                         "headline": report["results"].get("headline")}
+    table = headline_table({name: reports[name] for name in BENCHMARKS if name in reports})
+    summary["total_seconds"] = round(sum(r["seconds"] or 0.0 for r in summary["runs"].values()), 1)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "summary.md").write_text(f"# Benchmark headlines{' (--quick: not results)' if args.quick else ''}\n\n"
