@@ -29,7 +29,10 @@ def _free_port() -> int:
 
 
 def _env(project: Path, api_url: str) -> dict:
-    env = os.environ.copy()
+    # without the distributed variables an in-process DeepSpeed engine of an earlier test set: a stage
+    # inheriting MASTER_PORT would try to listen on a port the test process still holds
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE")}
     env.update({"PREFECT_API_URL": api_url, "PREFECT_HOME": str(project / ".prefect"),
                 "MLFLOW_TRACKING_URI": f"sqlite:///{project / 'mlflow.db'}", "PYTHONPATH": str(project),
                 "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}", "DO_NOT_TRACK": "1"})

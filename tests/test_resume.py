@@ -42,6 +42,17 @@ digest = __import__("hashlib").sha256(b"".join(state[k].numpy().tobytes() for k 
 """
 
 
+_DIST_VARS = ("MASTER_PORT", "MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
+def clean_env() -> dict:
+    """This process's environment without the distributed variables an in-process DeepSpeed engine set:
+    a child inheriting MASTER_PORT would try to listen on a port this process still holds."""
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
 def _run(run_dir: Path, steps: int, env: dict) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", SCRIPT, str(run_dir), str(steps),
                              str(ROOT / "tests" / "params_tiny.yaml")], cwd=ROOT, env=env,
@@ -60,7 +71,7 @@ def _tree_digest(run_dir: Path) -> str:
 
 
 def test_killed_run_resumes_and_matches_an_uninterrupted_run(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = clean_env()
     steps = 5
     full = _run(tmp_path / "full", steps, env)
     out, _ = full.communicate(timeout=600)
@@ -87,7 +98,7 @@ def test_killed_run_resumes_and_matches_an_uninterrupted_run(tmp_path):
 
 
 def test_resuming_a_finished_run_runs_no_extra_step_and_a_longer_run_only_the_remaining(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = clean_env()
     steps_dir = tmp_path / "r" / "trees" / "ablation=trace"
     first = _run(tmp_path / "r", 2, env)
     out, _ = first.communicate(timeout=600)
