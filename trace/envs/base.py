@@ -126,6 +126,28 @@ class KnowsTrueSuccessProb(Protocol):
         ...
 
 
+def continue_or_truncate(state: EnvState, num_turns: int, history: Any, observation: str, max_turns: int, *,
+                         num_tool_calls: int = 0, info: dict | None = None) -> StepResult:
+    """The result of a turn that gave no final answer: the episode goes on with ``observation``, or, once
+    ``num_turns`` reaches ``max_turns``, is truncated (empty observation, reward 0, not a verified failure).
+
+    Args:
+        state: the state the turn was taken from.
+        num_turns: completed turns including this one.
+        history: the new state's ``data``.
+        observation: tool output shown to the policy when the episode goes on.
+        max_turns: the environment's turn limit.
+        num_tool_calls: tool calls this turn executed (reported when the episode goes on).
+        info: diagnostics.
+    """
+    info = {} if info is None else info
+    if num_turns >= max_turns:
+        return StepResult(state=EnvState(state.prompt, num_turns, True, history), observation="", reward=0.0,
+                          terminated=False, truncated=True, info=info)
+    return StepResult(state=EnvState(state.prompt, num_turns, False, history), observation=observation,
+                      reward=0.0, terminated=False, truncated=False, num_tool_calls=num_tool_calls, info=info)
+
+
 def prompts_by_uid(prompts: Sequence[Prompt]) -> dict[str, Prompt]:
     """Index prompts by ``prompt_uid``.
 

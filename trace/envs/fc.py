@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from trace.envs.answers import ActionError, parse_action
-from trace.envs.base import EnvState, EpisodeFinishedError, Prompt, StepResult
+from trace.envs.base import EnvState, EpisodeFinishedError, Prompt, StepResult, continue_or_truncate
 
 OBSERVATION_MARKER = "Observation:"
 CALL, FINISH = "call", "finish"
@@ -636,14 +636,8 @@ class FunctionCallingEnvironment:
                           num_tool_calls=len(calls), info=info)
 
     def _go_on(self, state: EnvState, num_turns: int, message: str) -> StepResult:
-        history = state.data + (("invalid", message),)
-        info = {"parse_error": message}
-        if num_turns >= self.max_turns:
-            return StepResult(state=EnvState(state.prompt, num_turns, True, history), observation="", reward=0.0,
-                              terminated=False, truncated=True, info=info)
-        return StepResult(state=EnvState(state.prompt, num_turns, False, history),
-                          observation=f"Invalid action: {message}", reward=0.0, terminated=False, truncated=False,
-                          info=info)
+        return continue_or_truncate(state, num_turns, state.data + (("invalid", message),),
+                                    f"Invalid action: {message}", self.max_turns, info={"parse_error": message})
 
     def solve(self, prompt: Prompt) -> list[str]:
         """The gold answer as one action text (first acceptable value of each argument; optional ones omitted).

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from trace.envs.answers import ActionError, extract_boxed, math_answers_match, parse_action, parse_number
-from trace.envs.base import EnvState, EpisodeFinishedError, Prompt, StepResult
+from trace.envs.base import EnvState, EpisodeFinishedError, Prompt, StepResult, continue_or_truncate
 
 OBSERVATION_MARKER = "Observation:"
 CALCULATE, FINISH = "calculate", "finish"
@@ -321,12 +321,8 @@ class MathEnvironment:
 
     def _go_on(self, state: EnvState, num_turns: int, record: tuple, observation: str, num_tool_calls: int,
                info: dict) -> StepResult:
-        history = state.data + record
-        if num_turns >= self.max_turns:
-            return StepResult(state=EnvState(state.prompt, num_turns, True, history), observation="", reward=0.0,
-                              terminated=False, truncated=True, info=info)
-        return StepResult(state=EnvState(state.prompt, num_turns, False, history), observation=observation,
-                          reward=0.0, terminated=False, truncated=False, num_tool_calls=num_tool_calls, info=info)
+        return continue_or_truncate(state, num_turns, state.data + record, observation, self.max_turns,
+                                    num_tool_calls=num_tool_calls, info=info)
 
     def solve(self, prompt: Prompt) -> list[str]:
         """Demonstration turns: the GSM8K calculator annotations (if any, within the turn limit), then finish.

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any, Protocol, Sequence
 
 from trace.envs.answers import ActionError, parse_action, qa_scores
-from trace.envs.base import EnvState, EpisodeFinishedError, Prompt, StepResult
+from trace.envs.base import EnvState, EpisodeFinishedError, Prompt, StepResult, continue_or_truncate
 
 OBSERVATION_MARKER = "Observation:"
 SEARCH, FINISH = "search", "finish"
@@ -410,12 +410,8 @@ class QAEnvironment:
 
     def _go_on(self, state: EnvState, num_turns: int, record: tuple, observation: str, num_tool_calls: int,
                info: dict) -> StepResult:
-        history = state.data + (record,)
-        if num_turns >= self.max_turns:
-            return StepResult(state=EnvState(state.prompt, num_turns, True, history), observation="", reward=0.0,
-                              terminated=False, truncated=True, info=info)
-        return StepResult(state=EnvState(state.prompt, num_turns, False, history), observation=observation,
-                          reward=0.0, terminated=False, truncated=False, num_tool_calls=num_tool_calls, info=info)
+        return continue_or_truncate(state, num_turns, state.data + (record,), observation, self.max_turns,
+                                    num_tool_calls=num_tool_calls, info=info)
 
     def solve(self, prompt: Prompt) -> list[str]:
         """Demonstration turns: search the question (when a turn is left for it), then finish with the gold.
