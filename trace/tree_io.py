@@ -9,10 +9,11 @@ renamed into place, so a killed writer never leaves a partial file under the fin
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -92,20 +93,28 @@ def trees_to_table(trees: Iterable[RolloutTree]) -> pa.Table:
     return pa.table(cols, schema=NODE_SCHEMA)
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same folder and an atomic rename."""
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[str]:
+    """Yield a temporary file name in ``path``'s folder; on success it is renamed onto ``path`` (atomic),
+    on failure removed, so ``path`` never holds a partial file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
+        yield tmp
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same folder and an atomic rename."""
+    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
 
 
 def write_trees(trees: Sequence[RolloutTree], path: str | Path) -> Path:
@@ -114,18 +123,10 @@ def write_trees(trees: Sequence[RolloutTree], path: str | Path) -> Path:
     Returns:
         The final path.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     table = trees_to_table(trees)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         pq.write_table(table, tmp, compression="zstd")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return Path(path)
 
 
 def _check_schema(schema: pa.Schema, path: Path) -> None:
