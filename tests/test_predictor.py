@@ -394,6 +394,37 @@ def test_policy_head_learns_from_the_policy_hidden_state(tiny_policy):
         predictor.predict_prompts([prompt], [tree.root.text])  # the bare test policy has no format
 
 
+def test_policy_head_features_are_computed_once_kept_for_the_window_and_saved(tiny_policy, monkeypatch):
+    import torch
+
+    predictor = PolicyHeadPredictor(CFG, tiny_policy)
+    window = token_trees(4)
+    first = predictor.evaluate(window)
+    calls = []
+    compute = predictor._compute_features
+    monkeypatch.setattr(predictor, "_compute_features", lambda t, n: calls.append(len(t)) or compute(t, n))
+    # the policy moves: cached features stay those of the step that first scored the node
+    with torch.no_grad():
+        for param in tiny_policy.model.parameters():
+            param.add_(0.01)
+    assert predictor.evaluate(window) == first and calls == []
+    predictor.fit(window[2:])  # the first two trees leave the window
+    assert {k[0] for k in predictor._feature_cache} == {t.tree_id for t in window[2:]}
+    predictor.evaluate(window)
+    assert calls == [2]  # only the evicted trees are recomputed, under the moved policy
+
+    clone = PolicyHeadPredictor(CFG, tiny_policy)
+    clone.load_state_dict(predictor.state_dict())
+    clone_calls = []
+    monkeypatch.setattr(clone, "_compute_features", lambda t, n: clone_calls.append(len(t)) or compute(t, n))
+    assert clone.evaluate(window) == predictor.evaluate(window) and clone_calls == []
+    # a node whose prefix no longer matches (a foreign tree under the same id) is recomputed
+    other = token_trees(1, offset=7)[0]
+    other.tree_id = window[0].tree_id
+    clone.predict_nodes(other, [1])
+    assert clone_calls == [1]
+
+
 def test_policy_head_renders_root_tokens_with_the_policy_format():
     from trace.config import PolicyConfig
     from trace.policy.model import build_tiny_policy

@@ -32,8 +32,9 @@ the seed, the trees fitted so far (in order) and the inputs; ``state_dict`` / ``
 predictor to give identical predictions.
 
 Simplifications: the encoder and the policy head restart their optimiser at every fit but keep the head's
-weights (warm start on the sliding window); the history predictor never forgets old evidence; the
-policy-head features are recomputed on every call because the policy moves between calls.
+weights (warm start on the sliding window); the history predictor never forgets old evidence; a
+policy-head feature is taken once per node, under the policy of the step that first scores it (as a rollout
+would see it), and reused by later refits while its tree stays in the sliding window.
 """
 
 from __future__ import annotations
@@ -761,6 +762,11 @@ class EncoderPredictor(_HeadPredictorBase):
 # ================================================================================================
 # Policy-head backend
 # ================================================================================================
+def _prefix_key(tree: RolloutTree, node_id: int) -> int:
+    """Process-independent hash of the prefix token ids of ``node_id`` (ints hash without a random salt)."""
+    return hash(tuple(tree.prefix_token_ids(node_id)))
+
+
 def _first_leaf_below(tree: RolloutTree) -> np.ndarray:
     """(N,) int: for every node, the first leaf reached by always taking the first child (itself for a leaf)."""
     children = tree.children()
@@ -834,7 +840,9 @@ class PolicyHeadPredictor(_HeadPredictorBase):
     The prefix of a node is ``tree.prefix_token_ids(node_id)``: the root's context tokens, then every turn
     on the path. The features of all requested nodes of a tree come from one forward pass per distinct
     covering trajectory (each node uses the first leaf below it), so a tree of L leaves costs at most L
-    sequences however many prefixes are scored.
+    sequences however many prefixes are scored. A node's feature is computed once, keyed by
+    ``(tree_id, node_id)`` and checked against a hash of its prefix token ids, and reused by later calls and refits until
+    ``fit`` is called on a window without its tree; the cache is part of ``state_dict``.
     """
 
     kind = PredictorKind.POLICY_HEAD
@@ -856,8 +864,75 @@ class PolicyHeadPredictor(_HeadPredictorBase):
                              f"{type(policy).__name__}")
         self.policy = policy
         self.batch_size = int(batch_size)
+        # (tree_id, node_id) -> (hash of the prefix token ids, (D,) float32 feature); see the module docstring
+        self._feature_cache: dict[tuple[str, int], tuple[int, np.ndarray]] = {}
 
     def _features(self, trees: Sequence[RolloutTree], node_ids: list[list[int]]) -> np.ndarray:
+        """(N, D) float32 features of the listed nodes: cached ones reused, the others computed and cached."""
+        rows: list[np.ndarray | None] = []
+        missing_trees: list[RolloutTree] = []
+        missing_ids: list[list[int]] = []
+        missing_rows: list[int] = []
+        for tree, ids in zip(trees, node_ids):
+            todo = []
+            for node_id in ids:
+                hit = self._feature_cache.get((tree.tree_id, int(node_id)))
+                if hit is not None and hit[0] == _prefix_key(tree, node_id):
+                    rows.append(hit[1])
+                else:
+                    missing_rows.append(len(rows))
+                    rows.append(None)
+                    todo.append(int(node_id))
+            if todo:
+                missing_trees.append(tree)
+                missing_ids.append(todo)
+        if missing_rows:
+            fresh = self._compute_features(missing_trees, missing_ids)
+            k = 0
+            for tree, ids in zip(missing_trees, missing_ids):
+                for node_id in ids:
+                    self._feature_cache[(tree.tree_id, node_id)] = (_prefix_key(tree, node_id), fresh[k])
+                    rows[missing_rows[k]] = fresh[k]
+                    k += 1
+        if not rows:
+            return np.zeros((0, self.input_dim or 0), dtype=np.float32)
+        return np.stack(rows).astype(np.float32)
+
+    def fit(self, trees: Sequence[RolloutTree]) -> dict[str, float]:
+        """``_HeadPredictorBase.fit``, then drop the cached features of trees outside ``trees`` (the window)."""
+        out = super().fit(trees)
+        window = {t.tree_id for t in trees}
+        self._feature_cache = {k: v for k, v in self._feature_cache.items() if k[0] in window}
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """The head's state plus the cached features of the current window (so a resumed run refits on the
+        same features as an uninterrupted one)."""
+        import torch
+
+        state = super().state_dict()
+        keys = list(self._feature_cache)
+        state["feature_cache"] = {
+            "tree_ids": [k[0] for k in keys],
+            "node_ids": [k[1] for k in keys],
+            "prefix_keys": [self._feature_cache[k][0] for k in keys],
+            "features": (torch.from_numpy(np.stack([self._feature_cache[k][1] for k in keys])) if keys
+                         else torch.zeros(0)),
+        }
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from ``state_dict()`` (a state without ``feature_cache`` starts with an empty cache)."""
+        super().load_state_dict(state)
+        cache = state.get("feature_cache") or {"tree_ids": []}
+        feats = cache["features"].numpy().astype(np.float32) if cache["tree_ids"] else None
+        self._feature_cache = {
+            (str(t), int(n)): (int(key), feats[i])
+            for i, (t, n, key) in enumerate(zip(cache["tree_ids"], cache.get("node_ids", []),
+                                                cache.get("prefix_keys", [])))
+        }
+
+    def _compute_features(self, trees: Sequence[RolloutTree], node_ids: list[list[int]]) -> np.ndarray:
         sequences: list[list[int]] = []
         positions: list[list[int]] = []
         slots: list[tuple[int, int]] = []  # per requested node: (sequence index, index within its positions)
