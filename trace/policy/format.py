@@ -65,11 +65,15 @@ class ChatFormat:
             once the policy emits it, and the environment's tool output follows it.
         turn_separator: text that ends every observation segment, after which the next turn starts
             (``" "`` for words, ``"\\n"`` for chat and plain); ``None`` picks the kind's default.
+        turn_prefix: context text that opens every policy turn (after the prompt and after each observation),
+            e.g. ``"Thought:"`` to hold a small instruction model to the ReAct format; loss mask 0, like the
+            observation. ``""`` (default) adds nothing.
     """
 
     kind: FormatKind = FormatKind.WORDS
     observation_marker: str = DEFAULT_OBSERVATION_MARKER
     turn_separator: str | None = None
+    turn_prefix: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", FormatKind(self.kind))
@@ -84,12 +88,17 @@ class ChatFormat:
         if not self.turn_separator or self.turn_separator.strip():
             raise ValueError(f"turn_separator {self.turn_separator!r} must be non-empty whitespace so the next turn "
                              "starts at a token boundary")
+        if self.turn_prefix != self.turn_prefix.strip():
+            raise ValueError(f"turn_prefix {self.turn_prefix!r} must not start or end with whitespace "
+                             "(e.g. 'Thought:'); the policy's turn continues right after it")
+        if self.kind == FormatKind.WORDS and self.turn_prefix:
+            raise ValueError("turn_prefix is for the chat and plain formats; the words format has none")
 
     # ---- (de)serialisation ----------------------------------------------------------------------------
     def to_dict(self) -> dict:
         """JSON-serialisable form (saved next to the policy weights)."""
         return {"kind": self.kind.value, "observation_marker": self.observation_marker,
-                "turn_separator": self.turn_separator}
+                "turn_separator": self.turn_separator, "turn_prefix": self.turn_prefix}
 
     @classmethod
     def from_dict(cls, data: dict) -> "ChatFormat":
@@ -98,7 +107,7 @@ class ChatFormat:
         Raises:
             ValueError: on an unknown kind or key (names the valid ones).
         """
-        valid = {"kind", "observation_marker", "turn_separator"}
+        valid = {"kind", "observation_marker", "turn_separator", "turn_prefix"}
         unknown = set(data) - valid
         if unknown:
             raise ValueError(f"unknown ChatFormat keys {sorted(unknown)}; valid keys: {sorted(valid)}")
@@ -106,7 +115,7 @@ class ChatFormat:
         if kind not in [k.value for k in FormatKind]:
             raise ValueError(f"unknown format kind {kind!r}; valid kinds: {[k.value for k in FormatKind]}")
         return cls(kind=FormatKind(kind), observation_marker=data.get("observation_marker", DEFAULT_OBSERVATION_MARKER),
-                   turn_separator=data.get("turn_separator"))
+                   turn_separator=data.get("turn_separator"), turn_prefix=data.get("turn_prefix", ""))
 
     # ---- encoding ---------------------------------------------------------------------------------------
     @staticmethod
@@ -137,15 +146,16 @@ class ChatFormat:
         if self.kind == FormatKind.CHAT:
             self._check_chat_template(tokenizer)
             return tokenizer.apply_chat_template([{"role": "user", "content": user_message}],
-                                                 add_generation_prompt=True, tokenize=False)
-        return f"{tokenizer.bos_token or ''}{user_message}{self.turn_separator}"
+                                                 add_generation_prompt=True, tokenize=False) + self.turn_prefix
+        return f"{tokenizer.bos_token or ''}{user_message}{self.turn_separator}{self.turn_prefix}"
 
     def prompt_token_ids(self, tokenizer: Any, user_message: str) -> list[int]:
         """Token ids the policy is conditioned on before its first turn.
 
         Returns:
             words: ``[bos_id] + ids(words)``; chat: ``apply_chat_template([{"role": "user", ...}],
-            add_generation_prompt=True)``; plain: ``[bos_id]`` (if the tokenizer has one) + ids(message + "\\n").
+            add_generation_prompt=True)`` + ids(turn_prefix); plain: ``[bos_id]`` (if the tokenizer has one) +
+            ids(message + "\\n" + turn_prefix).
 
         Raises:
             ValueError: as ``prompt_text``.
@@ -156,10 +166,11 @@ class ChatFormat:
             return [int(tokenizer.bos_token_id)] + self.encode(tokenizer, user_message)
         if self.kind == FormatKind.CHAT:
             self._check_chat_template(tokenizer)
-            return _input_ids(tokenizer.apply_chat_template([{"role": "user", "content": user_message}],
-                                                            add_generation_prompt=True, tokenize=True))
+            ids = _input_ids(tokenizer.apply_chat_template([{"role": "user", "content": user_message}],
+                                                           add_generation_prompt=True, tokenize=True))
+            return ids + (self.encode(tokenizer, self.turn_prefix) if self.turn_prefix else [])
         bos = [int(tokenizer.bos_token_id)] if tokenizer.bos_token_id is not None else []
-        return bos + self.encode(tokenizer, user_message + self.turn_separator)
+        return bos + self.encode(tokenizer, user_message + self.turn_separator + self.turn_prefix)
 
     def ends_with_marker(self, action_text: str) -> bool:
         """True when the policy's turn already ended with the observation marker (trailing whitespace ignored)."""
@@ -174,7 +185,7 @@ class ChatFormat:
 
         Returns:
             ``" " + marker`` (only if ``action_text`` does not already end with it) ``+ " " + observation +
-            turn_separator``. Example (words): ``"search [ e17 ] Observation:"`` and ``"e17 r3 e42"`` give
+            turn_separator + turn_prefix``. Example (words): ``"search [ e17 ] Observation:"`` and ``"e17 r3 e42"`` give
             ``" e17 r3 e42 "``; ``"search [ e17 ]"`` gives ``" Observation: e17 r3 e42 "``.
 
         Raises:
@@ -184,7 +195,7 @@ class ChatFormat:
             raise ValueError("observation is empty: a non-final turn must carry the tool's output "
                              "(the environment returned '' for a step that did not end the episode)")
         marker = "" if self.ends_with_marker(action_text) else f" {self.observation_marker}"
-        return f"{marker} {observation}{self.turn_separator}"
+        return f"{marker} {observation}{self.turn_separator}{self.turn_prefix}"
 
     def observation_token_ids(self, tokenizer: Any, action_text: str, observation: str) -> list[int]:
         """Token ids of ``observation_text(action_text, observation)`` (loss mask 0, logprob 0 in the tree)."""

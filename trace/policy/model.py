@@ -186,7 +186,8 @@ def load_pretrained_policy(policy_cfg: PolicyConfig, observation_marker: str | N
         # trains and saves (save_pretrained) like any float checkpoint
         quantizer.remove_quantization_config(model)
     kind = FormatKind.CHAT if getattr(tokenizer, "chat_template", None) else FormatKind.PLAIN
-    fmt = ChatFormat(kind=kind, **({"observation_marker": observation_marker} if observation_marker else {}))
+    fmt = ChatFormat(kind=kind, turn_prefix=policy_cfg.turn_prefix,
+                     **({"observation_marker": observation_marker} if observation_marker else {}))
     return Policy(model=model, tokenizer=tokenizer, format=fmt)
 
 
