@@ -86,9 +86,9 @@ def root_texts(env: Environment, prompts: Sequence[Prompt]) -> list[str]:
 
 # ---- evaluation --------------------------------------------------------------------------------------
 def evaluate_policy(policy, env: Environment, prompts: Sequence[Prompt], rollout_cfg: RolloutConfig, *,
-                    seed: int, max_context_tokens: int, pass_k: int = 1, temperature: float = 1.0,
+                    seed: int, max_context_tokens: int, pass_k: int = 0, temperature: float = 1.0,
                     backend=None, prefix: str = "accuracy") -> tuple[dict[str, float], list[RolloutTree]]:
-    """Greedy accuracy and, with ``pass_k > 1``, pass@k / mean@k of sampled rollouts on ``prompts``.
+    """Greedy accuracy, and pass@k / mean@k of ``pass_k`` sampled rollouts per prompt (``pass_k=0``: greedy only).
 
     Returns:
         ``({"<prefix>/greedy", "<prefix>/pass@k", "<prefix>/mean@k", "<prefix>/truncated",
@@ -107,7 +107,7 @@ def evaluate_policy(policy, env: Environment, prompts: Sequence[Prompt], rollout
         sel = np.array([x == h for x in hops])
         metrics[f"{prefix}/greedy_hops{h}"] = float(rewards[sel].mean())
     trees = list(greedy)
-    if pass_k > 1:
+    if pass_k >= 1:
         sampled = rollout_roots(policy, env, prompts, [pass_k] * len(prompts),
                                 sampling_spec(rollout_cfg, seed + 1, temperature), step=-1, ablation="eval",
                                 backend=backend, max_context_tokens=max_context_tokens)
