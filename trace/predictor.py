@@ -873,14 +873,17 @@ class PolicyHeadPredictor(_HeadPredictorBase):
         missing_trees: list[RolloutTree] = []
         missing_ids: list[list[int]] = []
         missing_rows: list[int] = []
+        missing_keys: list[int] = []
         for tree, ids in zip(trees, node_ids):
             todo = []
             for node_id in ids:
+                key = _prefix_key(tree, node_id)
                 hit = self._feature_cache.get((tree.tree_id, int(node_id)))
-                if hit is not None and hit[0] == _prefix_key(tree, node_id):
+                if hit is not None and hit[0] == key:
                     rows.append(hit[1])
                 else:
                     missing_rows.append(len(rows))
+                    missing_keys.append(key)
                     rows.append(None)
                     todo.append(int(node_id))
             if todo:
@@ -891,7 +894,7 @@ class PolicyHeadPredictor(_HeadPredictorBase):
             k = 0
             for tree, ids in zip(missing_trees, missing_ids):
                 for node_id in ids:
-                    self._feature_cache[(tree.tree_id, node_id)] = (_prefix_key(tree, node_id), fresh[k])
+                    self._feature_cache[(tree.tree_id, node_id)] = (missing_keys[k], fresh[k])
                     rows[missing_rows[k]] = fresh[k]
                     k += 1
         if not rows:
