@@ -86,6 +86,23 @@ def test_knapsack_keeps_the_highest_value_prompts_when_short_of_budget():
     assert set(np.flatnonzero(result.counts)) <= {1, 3, 6, 7}  # the prompts nearest 0.5
 
 
+def test_knapsack_gives_every_candidate_its_own_floor_while_trace_root_may_skip():
+    p = np.random.default_rng(3).random(32)
+    kwargs = dict(trajectory_budget=128, expansion_ratio=1.0, group_size=8, m_min=8, m_max=16)
+    knapsack = plan_root_counts(get_ablation("knapsack"), p, knapsack_m_min=2, **kwargs)
+    assert knapsack.counts.min() >= 2 and knapsack.counts.sum() == 128
+    assert knapsack.info["allow_skip"] is False
+    np.testing.assert_array_equal(knapsack.counts, allocate_roots(p, 128, 2, 16, allow_skip=False).counts)
+    trace_root = plan_root_counts(get_ablation("trace_root"), p, knapsack_m_min=2, **kwargs)
+    assert set(np.unique(trace_root.counts)) <= {0} | set(range(8, 17))  # m_min 8 holds for trace_root
+    assert (trace_root.counts == 0).any()
+
+
+def test_knapsack_floor_above_m_max_fails_at_config_load():
+    with pytest.raises(ValueError, match="knapsack_m_min"):
+        AllocationConfig(m_min=2, m_max=4, knapsack_m_min=6)
+
+
 def test_trace_root_spends_the_whole_budget_through_allocate_roots():
     p = np.random.default_rng(0).random(32)
     result = plan("trace_root", p)

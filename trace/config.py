@@ -207,6 +207,7 @@ class AllocationConfig(_Section):
     group_size: int = Field(8, ge=2, description="n of uniform baselines (grpo, pcl, tree roots)")
     m_min: int = Field(2, ge=2, description="fewest rollouts of an active prompt (m=1 has no contrast)")
     m_max: int = Field(16, ge=2, description="most rollouts of one prompt")
+    knapsack_m_min: int = Field(2, ge=2, description="knapsack: the floor every candidate gets (it never skips)")
     expansion_ratio: float = Field(1.0, ge=0, description="N: continuations per root rollout (stage 2)")
     rounds: int = Field(1, ge=1, description="stage 2 rounds (paper: 1)")
     exact_max_cells: int = Field(2_000_000, ge=1, description="use the exact DP when B*M*(m_max-m_min+1) <= this")
@@ -217,6 +218,9 @@ class AllocationConfig(_Section):
     def _check(self) -> "AllocationConfig":
         if self.m_max < self.m_min:
             raise ValueError(f"allocation.m_max={self.m_max} < m_min={self.m_min}: set m_max >= m_min")
+        if self.m_max < self.knapsack_m_min:
+            raise ValueError(f"allocation.m_max={self.m_max} < knapsack_m_min={self.knapsack_m_min}: "
+                             "set m_max >= knapsack_m_min")
         if self.root_budget < self.m_min:
             raise ValueError(
                 f"allocation.trajectory_budget={self.trajectory_budget} with expansion_ratio="

@@ -452,7 +452,8 @@ class Trainer:
         else:
             plan = plan_root_counts(self.spec, pred, trajectory_budget=acfg.trajectory_budget,
                                     expansion_ratio=acfg.expansion_ratio, group_size=acfg.group_size,
-                                    m_min=acfg.m_min, m_max=acfg.m_max, tie_keys=tie_keys,
+                                    m_min=acfg.m_min, m_max=acfg.m_max,
+                                    knapsack_m_min=acfg.knapsack_m_min, tie_keys=tie_keys,
                                     exact_max_cells=acfg.exact_max_cells)
             counts = plan.counts
             for key in ("gap", "objective", "upper_bound"):

@@ -168,8 +168,9 @@ def uniform_root_counts(num_candidates: int, root_budget: int, group_size: int,
 
 
 def plan_root_counts(spec: AblationSpec, pred_success_prob, *, trajectory_budget: int, expansion_ratio: float,
-                     group_size: int, m_min: int, m_max: int, rng: np.random.Generator | None = None,
-                     tie_keys=None, exact_max_cells: int = 2_000_000) -> RootPlan:
+                     group_size: int, m_min: int, m_max: int, knapsack_m_min: int | None = None,
+                     rng: np.random.Generator | None = None, tie_keys=None,
+                     exact_max_cells: int = 2_000_000) -> RootPlan:
     """Root rollouts per candidate for one step, by the arm's root rule.
 
     Args:
@@ -179,7 +180,11 @@ def plan_root_counts(spec: AblationSpec, pred_success_prob, *, trajectory_budget
         trajectory_budget: T, trajectories per step (roots + continuations).
         expansion_ratio: N, continuations per root rollout for arms with stage 2.
         group_size: n of the uniform rules.
-        m_min, m_max: bounds on an active prompt's rollouts (``trace`` and ``knapsack``).
+        m_min, m_max: bounds on an active prompt's rollouts (``trace``; ``m_max`` also for ``knapsack``).
+        knapsack_m_min: the floor ``knapsack`` gives every candidate (``None``: ``m_min``). Knapsack-RL
+            never skips a prompt: with ``B * knapsack_m_min <= M`` every candidate gets at least the floor
+            and the rest of the budget goes where ``A`` gains most; only a budget too small to give every
+            candidate the floor lets it skip, keeping the prompts of highest value.
         rng: accepted for a uniform signature; every current root rule is deterministic given its inputs
             (candidates arrive in random order already).
         tie_keys: (B,) prompt ids ordering ties.
@@ -212,8 +217,9 @@ def plan_root_counts(spec: AblationSpec, pred_success_prob, *, trajectory_budget
         rank[canonical_order(num_candidates, tie_keys)] = np.arange(num_candidates)
         counts = uniform_root_counts(num_candidates, root_budget, group_size, np.lexsort((rank, distance)))
     elif rule in ("trace", "knapsack"):
-        allow_skip = rule == "trace" or root_budget < num_candidates * m_min
-        result = allocate_roots(p, root_budget, m_min, m_max, exact_max_cells=exact_max_cells,
+        floor = m_min if rule == "trace" or knapsack_m_min is None else int(knapsack_m_min)
+        allow_skip = rule == "trace" or root_budget < num_candidates * floor
+        result = allocate_roots(p, root_budget, floor, m_max, exact_max_cells=exact_max_cells,
                                 tie_keys=tie_keys, allow_skip=allow_skip)
         counts = result.counts
         info.update(objective=result.objective, upper_bound=result.upper_bound, gap=result.gap,
