@@ -57,7 +57,9 @@ class TrainingBatch:
         advantages: (B, T) float32, the node's advantage on its ``loss_mask`` tokens, 0 elsewhere.
         old_logprobs: (B, T) float32 sampling-time log-probs (nats), 0 on tokens not generated.
         lengths: (B,) long, real tokens per row.
-        num_tokens: ``int(loss_mask.sum())``, the token-mean normaliser.
+        num_tokens: the token-mean normaliser: generated tokens summed over the leaf rows, a shared node
+            counted once in every row through it, as flat leaf-row training counts them. Without
+            branching it equals ``loss_mask.sum()``.
         sequence_ids: ``(tree_id, leaf node_id)`` of each row.
         num_truncated: rows cut to ``max_tokens``.
     """
@@ -72,6 +74,17 @@ class TrainingBatch:
     num_tokens: int
     sequence_ids: list[tuple[str, int]] = field(default_factory=list)
     num_truncated: int = 0
+    row_tokens: torch.Tensor | None = None  # (B,) long generated tokens in each leaf row (None: loss_mask)
+
+    def __post_init__(self) -> None:
+        if self.row_tokens is None:
+            self.row_tokens = self.loss_mask.sum(dim=1).round().long() if self.loss_mask.numel() else \
+                torch.zeros(self.input_ids.shape[0], dtype=torch.long)
+
+    @property
+    def num_trained_tokens(self) -> int:
+        """Tokens with ``loss_mask`` 1: every generated token of the batch once."""
+        return int(self.loss_mask.sum().item())
 
     @property
     def num_sequences(self) -> int:
@@ -89,8 +102,8 @@ class TrainingBatch:
         return TrainingBatch(
             input_ids=cut(self.input_ids), attention_mask=cut(self.attention_mask),
             position_ids=cut(self.position_ids), loss_mask=loss_mask, advantages=cut(self.advantages),
-            old_logprobs=cut(self.old_logprobs), lengths=lengths, num_tokens=int(loss_mask.sum().item()),
-            sequence_ids=self.sequence_ids[rows], num_truncated=0)
+            old_logprobs=cut(self.old_logprobs), lengths=lengths, num_tokens=int(self.row_tokens[rows].sum().item()),
+            sequence_ids=self.sequence_ids[rows], num_truncated=0, row_tokens=self.row_tokens[rows])
 
     def micro_batches(self, micro_batch_size: int) -> list["TrainingBatch"]:
         """Consecutive slices of ``micro_batch_size`` rows (the last may be shorter), each trimmed.
@@ -107,7 +120,7 @@ class TrainingBatch:
         moved = {name: getattr(self, name).to(device) for name in
                  ("input_ids", "attention_mask", "position_ids", "loss_mask", "advantages", "old_logprobs", "lengths")}
         return TrainingBatch(**moved, num_tokens=self.num_tokens, sequence_ids=self.sequence_ids,
-                             num_truncated=self.num_truncated)
+                             num_truncated=self.num_truncated, row_tokens=self.row_tokens)
 
 
 def _check_node(tree: RolloutTree, node: Node) -> None:
@@ -148,7 +161,10 @@ def build_training_batch(
 
     Rows follow the order of ``trees`` and, within a tree, ``RolloutTree.leaves()``. A node's generated
     tokens get ``loss_mask`` 1 and advantage ``node.advantage`` in the first row that contains the node
-    (tracked by ``(tree_id, node_id)``); in later rows they are context with mask 0.
+    (tracked by ``(tree_id, node_id)``); in later rows they are context with mask 0. The token-mean
+    normaliser ``num_tokens`` counts a shared node's tokens once per leaf row through it, so the loss
+    equals flat leaf-row training (every leaf row trained with its own advantage, token-mean over all
+    rows) at ratio 1, normaliser included.
 
     Args:
         trees: rollout trees with distinct ``tree_id``; nodes carry ``token_ids``, ``logprobs``,
@@ -177,6 +193,7 @@ def build_training_batch(
     seen_tree_ids: set[str] = set()
     trained_nodes: set[tuple[str, int]] = set()
     rows: list[tuple[list[int], list[float], list[int], list[float]]] = []
+    row_tokens: list[int] = []
     sequence_ids: list[tuple[str, int]] = []
     num_truncated = 0
     for tree in trees:
@@ -192,12 +209,14 @@ def build_training_batch(
             ids: list[int] = []
             logprobs: list[float] = []
             mask: list[int] = []
+            generated: list[int] = []
             advantages: list[float] = []
             for node in path:
                 key = (tree.tree_id, node.node_id)
                 n = len(node.token_ids)
                 ids.extend(int(t) for t in node.token_ids)
                 logprobs.extend(float(lp) for lp in node.logprobs)
+                generated.extend(int(m) for m in node.loss_mask)
                 if key not in trained_nodes and node.num_generated_tokens > 0:
                     advantage = _node_advantage(tree, node, require_advantages)
                     mask.extend(int(m) for m in node.loss_mask)
@@ -212,7 +231,9 @@ def build_training_batch(
             if max_tokens is not None and len(ids) > max_tokens:
                 num_truncated += 1
                 ids, logprobs, mask, advantages = (x[:max_tokens] for x in (ids, logprobs, mask, advantages))
+                generated = generated[:max_tokens]
             rows.append((ids, logprobs, mask, advantages))
+            row_tokens.append(sum(generated))
             sequence_ids.append((tree.tree_id, leaf.node_id))
 
     num_seqs = len(rows)
@@ -238,7 +259,8 @@ def build_training_batch(
     return TrainingBatch(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=positions * attention_mask,
         loss_mask=loss_mask, advantages=advantages_t, old_logprobs=old_logprobs, lengths=lengths,
-        num_tokens=int(loss_mask.sum().item()), sequence_ids=sequence_ids, num_truncated=num_truncated)
+        num_tokens=int(sum(row_tokens)), sequence_ids=sequence_ids, num_truncated=num_truncated,
+        row_tokens=torch.tensor(row_tokens, dtype=torch.long))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -327,7 +349,8 @@ def _world_size() -> int:
 # ---------------------------------------------------------------------------------------------------------
 # The updater
 # ---------------------------------------------------------------------------------------------------------
-LossFn = Callable[[TrainingBatch, int], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# (micro-batch, flat token-mean normaliser, trained-token count) -> (loss, metrics); both counts are global
+LossFn = Callable[[TrainingBatch, int, int], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 class PolicyUpdater:
@@ -437,22 +460,29 @@ class PolicyUpdater:
         return out
 
     # ---- losses -------------------------------------------------------------------------------------
-    def _rl_loss(self, micro: TrainingBatch, num_tokens: int, temperature: float
+    def _rl_loss(self, micro: TrainingBatch, num_tokens: int, num_trained_tokens: int, temperature: float
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         logprobs = token_logprobs(self._logits(self.engine, micro), micro.input_ids, temperature)  # (B, T)
         loss, metrics = clipped_surrogate_loss(
             logprobs, micro.old_logprobs, micro.advantages, micro.loss_mask,
             clip_low=self.cfg.clip_low, clip_high=self.cfg.clip_high, num_tokens=num_tokens)
+        # the surrogate is normalised like flat leaf-row training; its diagnostics are means over the
+        # tokens actually trained (each generated token once)
+        for name in ("losses/clip_frac", "losses/approx_kl"):
+            metrics[name] = metrics[name] * (num_tokens / max(num_trained_tokens, 1))
         if self.ref_model is not None:
             with torch.no_grad():
                 ref_logprobs = token_logprobs(self._logits(self.ref_model, micro), micro.input_ids, temperature)
+            # the KL is a mean over the generated tokens, each once (a shared prefix is one sample)
             kl_loss, kl_metrics = kl_penalty_loss(logprobs, ref_logprobs, micro.loss_mask,
-                                                  kl_coef=self.cfg.kl_coef, num_tokens=num_tokens)
+                                                  kl_coef=self.cfg.kl_coef, num_tokens=num_trained_tokens)
             loss = loss + kl_loss
             metrics.update(kl_metrics)
         return loss, metrics
 
-    def _sft_loss(self, micro: TrainingBatch, num_tokens: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _sft_loss(self, micro: TrainingBatch, num_tokens: int, num_trained_tokens: int
+                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        del num_trained_tokens  # demonstrations do not branch: both counts are equal
         loss = sft_loss(self._logits(self.engine, micro), micro.input_ids, micro.loss_mask, num_tokens)
         return loss, {"losses/sft": loss.detach()}
 
@@ -476,7 +506,8 @@ class PolicyUpdater:
             zeros = torch.zeros(1, 2, dtype=torch.float32)
             micro.append(TrainingBatch(
                 input_ids=pad, attention_mask=torch.ones_like(pad), position_ids=torch.arange(2).unsqueeze(0),
-                loss_mask=zeros, advantages=zeros, old_logprobs=zeros, lengths=torch.tensor([2]), num_tokens=0))
+                loss_mask=zeros, advantages=zeros, old_logprobs=zeros, lengths=torch.tensor([2]), num_tokens=0,
+                row_tokens=torch.zeros(1, dtype=torch.long)))
         return micro
 
     def _optimizer_step(self) -> float:
@@ -498,8 +529,10 @@ class PolicyUpdater:
         """``num_epochs`` optimizer steps, each over every micro-batch of ``batch`` (token-mean loss)."""
         start = time.perf_counter()
         world_size = _world_size()
-        num_tokens = int(self._all_reduce_sum(torch.tensor([float(batch.num_tokens)]))[0].item())
+        num_tokens, num_trained_tokens = (int(v) for v in self._all_reduce_sum(
+            torch.tensor([float(batch.num_tokens), float(batch.num_trained_tokens)])).tolist())
         out: dict[str, float] = {"update/num_tokens": float(num_tokens),
+                                 "update/num_trained_tokens": float(num_trained_tokens),
                                  "update/num_sequences": float(batch.num_sequences),
                                  "update/num_truncated": float(batch.num_truncated),
                                  "update/skipped": 1.0 if num_tokens == 0 else 0.0}
@@ -512,7 +545,7 @@ class PolicyUpdater:
         for _ in range(num_epochs):
             sums: dict[str, torch.Tensor] = {}
             for micro in micro_batches:
-                loss, metrics = loss_fn(micro.to(self.device), num_tokens)
+                loss, metrics = loss_fn(micro.to(self.device), num_tokens, num_trained_tokens)
                 # DeepSpeed averages gradients over ranks; each rank's loss is already divided by the global
                 # token count, so scaling by world_size makes the averaged gradient the global token mean
                 self.engine.backward(loss * world_size)
@@ -534,8 +567,10 @@ class PolicyUpdater:
         """One RL update on a step's rollout trees: ``ppo_epochs`` optimizer steps on the clipped surrogate.
 
         Each epoch runs every micro-batch (``micro_batch_size`` sequences), each divided by the whole
-        batch's token count, and takes ONE optimizer step: the token-mean loss over the whole batch. With
-        ``kl_coef > 0`` the k3 KL to the frozen reference is added.
+        batch's token count, and takes ONE optimizer step: the token-mean loss over the whole batch. The
+        count is that of flat leaf-row training (a shared prefix counted once per leaf row through it), so
+        branching changes which tokens carry signal, not the step size. With ``kl_coef > 0`` the k3 KL to
+        the frozen reference is added, as a mean over the generated tokens (each once).
 
         Args:
             trees: trees with ``node.advantage`` set (see ``build_training_batch``).
@@ -544,7 +579,8 @@ class PolicyUpdater:
         Returns:
             Metrics averaged over epochs: ``losses/policy``, ``losses/clip_frac``, ``losses/approx_kl``,
             ``losses/grad_norm`` (before clipping), ``losses/kl`` (when ``kl_coef > 0``),
-            ``update/num_tokens``, ``update/num_sequences``, ``update/num_micro_batches``,
+            ``update/num_tokens`` (the flat normaliser), ``update/num_trained_tokens`` (each generated token
+            once), ``update/num_sequences``, ``update/num_micro_batches``,
             ``update/num_truncated``, ``update/skipped`` (1 when no token was trainable: no step taken),
             ``update/seconds``. Losses and ``update/num_tokens`` are global over ranks; ``num_sequences`` and
             ``num_micro_batches`` are this rank's, and at ZeRO stage 0 in fp32 so is ``grad_norm``.
@@ -557,7 +593,7 @@ class PolicyUpdater:
             arXiv 2503.14476; KL k3 as in GRPO, arXiv 2402.03300.
         """
         batch = build_training_batch(trees, self.pad_token_id, self.max_tokens)
-        return self._train(batch, lambda micro, n: self._rl_loss(micro, n, temperature), self.cfg.ppo_epochs)
+        return self._train(batch, lambda micro, n, n_trained: self._rl_loss(micro, n, n_trained, temperature), self.cfg.ppo_epochs)
 
     def sft_step(self, trees: Sequence[RolloutTree]) -> dict[str, float]:
         """One supervised step: token-mean cross-entropy on the trees' ``loss_mask`` tokens, one optimizer step.
