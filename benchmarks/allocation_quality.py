@@ -357,8 +357,8 @@ def simulated_step(spec: AblationSpec, env: SimulatorEnvironment, pool: Sequence
     else:
         plan = plan_root_counts(spec, pred, trajectory_budget=acfg.trajectory_budget,
                                 expansion_ratio=acfg.expansion_ratio, group_size=acfg.group_size,
-                                m_min=acfg.m_min, m_max=acfg.m_max, tie_keys=tie_keys,
-                                exact_max_cells=acfg.exact_max_cells)
+                                m_min=acfg.m_min, m_max=acfg.m_max, knapsack_m_min=acfg.knapsack_m_min,
+                                tie_keys=tie_keys, exact_max_cells=acfg.exact_max_cells)
         active = np.flatnonzero(plan.counts)
         counts = plan.counts[active]
         trees = env.sample_root_rollouts([candidates[i] for i in active], counts, roots_rng, step=step,
