@@ -255,3 +255,16 @@ def test_dapo_retry_bound_is_respected():
         run_dapo(mixed_when(lambda c: False, calls), num_candidates=50, group_size=2, trajectory_budget=100,
                  max_retries=3, rng=np.random.default_rng(0), target_groups=2)
     assert len(calls) == 4  # round 1 plus three retries
+
+
+def test_an_unsplittable_root_budget_fails_at_config_load_naming_the_arm_and_key():
+    from trace.config import ConfigError, config_from_dict
+
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"allocation": {"num_candidates": 4, "m_min": 8, "m_max": 16},
+                          "train": {"ablations": ["grpo", "knapsack"]}})
+    message = str(err.value)
+    assert "train.ablations has knapsack" in message and "allocation.knapsack_m_min=2" in message
+    assert "[8, 64]" in message and "{" not in message  # the message, not the section's whole mapping
+    # the same budget is fine for arms without stage 1
+    config_from_dict({"allocation": {"num_candidates": 4, "m_min": 8, "m_max": 16}, "train": {"ablations": ["grpo"]}})

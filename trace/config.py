@@ -308,6 +308,31 @@ class Config(_Section):
     evaluate: EvaluateConfig = EvaluateConfig()
     tracking: TrackingConfig = TrackingConfig()
 
+    @model_validator(mode="after")
+    def _check_root_budgets(self) -> "Config":
+        """Every arm in ``train.ablations`` that solves stage 1 can split its root budget (checked at load,
+        not after warmup)."""
+        from trace.allocation.baselines import get_ablation, root_budget_for
+        from trace.allocation.root import check_root_budget_feasible
+
+        acfg = self.allocation
+        for ablation in self.train.ablations:
+            spec = get_ablation(ablation)
+            if spec.root_rule not in ("trace", "knapsack"):
+                continue
+            root_budget = root_budget_for(spec, acfg.trajectory_budget, acfg.expansion_ratio)
+            if spec.root_rule == "trace":
+                floor, floor_key, allow_skip = acfg.m_min, "allocation.m_min", True
+            else:
+                floor, floor_key = acfg.knapsack_m_min, "allocation.knapsack_m_min"
+                allow_skip = root_budget < acfg.num_candidates * floor
+            try:
+                check_root_budget_feasible(acfg.num_candidates, root_budget, floor, acfg.m_max,
+                                           allow_skip=allow_skip, m_min_key=floor_key)
+            except ValueError as err:
+                raise ValueError(f"train.ablations has {spec.name}: {err}") from None
+        return self
+
     def resume_hash(self) -> str:
         """``params_hash`` without the step count and checkpoint cadence: a checkpoint of the same run made
         with fewer ``train.num_steps`` is resumed (the remaining steps run), not discarded."""
@@ -336,6 +361,11 @@ def _format_errors(err: ValidationError, source: str) -> str:
         if e["type"] == "extra_forbidden":
             lines.append(f"  - {key}: unknown key (value {value!r}); remove it or fix its spelling "
                          "(see trace/config.py for the valid keys)")
+        elif e["type"] == "value_error" and isinstance(value, dict):
+            # a check across a section's keys: its message names the keys, values and fix; the section's
+            # whole mapping would only bury it
+            message = str(e["msg"]).removeprefix("Value error, ")
+            lines.append(f"  - {key}: {message}")
         else:
             lines.append(f"  - {key} = {value!r}: {e['msg']}")
     return "\n".join(lines)

@@ -39,7 +39,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from trace.allocation.prefix import allocate_prefixes, candidate_anchors, split_expansion_budget
-from trace.allocation.root import allocate_roots, canonical_order
+from trace.allocation.root import allocate_roots, canonical_order, check_root_budget_feasible
 from trace.tree import RolloutTree
 
 __all__ = [
@@ -219,6 +219,9 @@ def plan_root_counts(spec: AblationSpec, pred_success_prob, *, trajectory_budget
     elif rule in ("trace", "knapsack"):
         floor = m_min if rule == "trace" or knapsack_m_min is None else int(knapsack_m_min)
         allow_skip = rule == "trace" or root_budget < num_candidates * floor
+        if rule == "knapsack" and knapsack_m_min is not None:
+            check_root_budget_feasible(num_candidates, root_budget, floor, m_max, allow_skip=allow_skip,
+                                       m_min_key="allocation.knapsack_m_min")
         result = allocate_roots(p, root_budget, floor, m_max, exact_max_cells=exact_max_cells,
                                 tie_keys=tie_keys, allow_skip=allow_skip)
         counts = result.counts

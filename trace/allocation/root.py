@@ -130,19 +130,23 @@ def activation_increment(pred_success_prob, num_rollouts):
 
 # ---- feasibility and ordering ---------------------------------------------------------------------------
 def check_root_budget_feasible(num_candidates: int, root_budget: int, m_min: int, m_max: int,
-                               allow_skip: bool = True) -> None:
+                               allow_skip: bool = True, m_min_key: str = "allocation.m_min") -> None:
     """Raise unless some ``m`` with ``m_i in {0} U [m_min, m_max]`` sums to ``root_budget``.
 
     ``M > 0`` is reachable exactly when some number of active prompts ``k <= B`` has
     ``k * m_min <= M <= k * m_max``. Without skips (``allow_skip=False``) every prompt is active, so
     ``B * m_min <= M <= B * m_max``.
 
+    Args:
+        m_min_key: the params key that set ``m_min``, named in the error (``allocation.knapsack_m_min``
+            for the knapsack arm).
+
     Raises:
-        ValueError: naming ``allocation.trajectory_budget``, ``allocation.m_min``, ``allocation.m_max`` and
+        ValueError: naming ``allocation.trajectory_budget``, ``m_min_key``, ``allocation.m_max`` and
             ``allocation.num_candidates``, and what to change.
     """
     if m_min < 1 or m_max < m_min:
-        raise ValueError(f"need 1 <= allocation.m_min <= allocation.m_max, got m_min={m_min}, m_max={m_max}")
+        raise ValueError(f"need 1 <= {m_min_key} <= allocation.m_max, got {m_min}, m_max={m_max}")
     if root_budget < 0:
         raise ValueError(f"root budget must be >= 0, got {root_budget} (check allocation.trajectory_budget)")
     if allow_skip:
@@ -159,10 +163,11 @@ def check_root_budget_feasible(num_candidates: int, root_budget: int, m_min: int
         reason = (f"without skips every one of the {num_candidates} prompts needs m_min..m_max rollouts, "
                   f"so the budget must lie in [{num_candidates * m_min}, {num_candidates * m_max}]")
     raise ValueError(
-        f"root budget of {root_budget} trajectories cannot be split with allocation.m_min={m_min}, "
+        f"root budget of {root_budget} trajectories cannot be split with {m_min_key}={m_min}, "
         f"allocation.m_max={m_max} over allocation.num_candidates={num_candidates}: {reason}. Fix: change "
-        "allocation.trajectory_budget (or allocation.expansion_ratio, which sets the root share), lower "
-        "allocation.m_min, raise allocation.m_max, or raise allocation.num_candidates.")
+        "allocation.trajectory_budget (or allocation.expansion_ratio, which sets the root share of arms "
+        f"with prefix expansion), lower {m_min_key}, raise allocation.m_max, or raise "
+        "allocation.num_candidates.")
 
 
 def canonical_order(num_items: int, tie_keys: Sequence | np.ndarray | None) -> np.ndarray:
