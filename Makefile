@@ -18,7 +18,7 @@ export TOKENIZERS_PARALLELISM := false
 export PYTHONDONTWRITEBYTECODE :=
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: venv run test ui serve clean-runs
+.PHONY: venv run test ui serve
 
 venv: $(STAMP)
 
