@@ -312,7 +312,7 @@ class Config(_Section):
     def _check_root_budgets(self) -> "Config":
         """Every arm in ``train.ablations`` that solves stage 1 can split its root budget (checked at load,
         not after warmup)."""
-        from trace.allocation.baselines import get_ablation, root_budget_for
+        from trace.allocation.baselines import get_ablation, root_budget_for, stage1_floor
         from trace.allocation.root import check_root_budget_feasible
 
         acfg = self.allocation
@@ -321,11 +321,8 @@ class Config(_Section):
             if spec.root_rule not in ("trace", "knapsack"):
                 continue
             root_budget = root_budget_for(spec, acfg.trajectory_budget, acfg.expansion_ratio)
-            if spec.root_rule == "trace":
-                floor, floor_key, allow_skip = acfg.m_min, "allocation.m_min", True
-            else:
-                floor, floor_key = acfg.knapsack_m_min, "allocation.knapsack_m_min"
-                allow_skip = root_budget < acfg.num_candidates * floor
+            floor, floor_key, allow_skip = stage1_floor(spec.root_rule, acfg.num_candidates, root_budget,
+                                                        acfg.m_min, acfg.knapsack_m_min)
             try:
                 check_root_budget_feasible(acfg.num_candidates, root_budget, floor, acfg.m_max,
                                            allow_skip=allow_skip, m_min_key=floor_key)

@@ -23,6 +23,7 @@ the policy given at construction, held unpartitioned on every rank.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import os
 import socket
@@ -57,9 +58,9 @@ class TrainingBatch:
         advantages: (B, T) float32, the node's advantage on its ``loss_mask`` tokens, 0 elsewhere.
         old_logprobs: (B, T) float32 sampling-time log-probs (nats), 0 on tokens not generated.
         lengths: (B,) long, real tokens per row.
-        num_tokens: the token-mean normaliser: generated tokens summed over the leaf rows, a shared node
-            counted once in every row through it, as flat leaf-row training counts them. Without
-            branching it equals ``loss_mask.sum()``.
+        row_tokens: (B,) long, generated tokens in each leaf row, whether trained in that row or in an
+            earlier one (a shared node counts in every row through it, as flat leaf-row training counts
+            it). Their sum is ``num_tokens``, the token-mean normaliser.
         sequence_ids: ``(tree_id, leaf node_id)`` of each row.
         num_truncated: rows cut to ``max_tokens``.
     """
@@ -71,15 +72,15 @@ class TrainingBatch:
     advantages: torch.Tensor
     old_logprobs: torch.Tensor
     lengths: torch.Tensor
-    num_tokens: int
+    row_tokens: torch.Tensor
     sequence_ids: list[tuple[str, int]] = field(default_factory=list)
     num_truncated: int = 0
-    row_tokens: torch.Tensor | None = None  # (B,) long generated tokens in each leaf row (None: loss_mask)
 
-    def __post_init__(self) -> None:
-        if self.row_tokens is None:
-            self.row_tokens = self.loss_mask.sum(dim=1).round().long() if self.loss_mask.numel() else \
-                torch.zeros(self.input_ids.shape[0], dtype=torch.long)
+    @property
+    def num_tokens(self) -> int:
+        """The token-mean normaliser: generated tokens summed over the leaf rows (``row_tokens.sum()``);
+        without branching it equals ``num_trained_tokens``."""
+        return int(self.row_tokens.sum().item())
 
     @property
     def num_trained_tokens(self) -> int:
@@ -102,8 +103,8 @@ class TrainingBatch:
         return TrainingBatch(
             input_ids=cut(self.input_ids), attention_mask=cut(self.attention_mask),
             position_ids=cut(self.position_ids), loss_mask=loss_mask, advantages=cut(self.advantages),
-            old_logprobs=cut(self.old_logprobs), lengths=lengths, num_tokens=int(self.row_tokens[rows].sum().item()),
-            sequence_ids=self.sequence_ids[rows], num_truncated=0, row_tokens=self.row_tokens[rows])
+            old_logprobs=cut(self.old_logprobs), lengths=lengths, row_tokens=self.row_tokens[rows],
+            sequence_ids=self.sequence_ids[rows], num_truncated=0)
 
     def micro_batches(self, micro_batch_size: int) -> list["TrainingBatch"]:
         """Consecutive slices of ``micro_batch_size`` rows (the last may be shorter), each trimmed.
@@ -119,8 +120,8 @@ class TrainingBatch:
         """The batch with every tensor moved to ``device``."""
         moved = {name: getattr(self, name).to(device) for name in
                  ("input_ids", "attention_mask", "position_ids", "loss_mask", "advantages", "old_logprobs", "lengths")}
-        return TrainingBatch(**moved, num_tokens=self.num_tokens, sequence_ids=self.sequence_ids,
-                             num_truncated=self.num_truncated, row_tokens=self.row_tokens)
+        return TrainingBatch(**moved, row_tokens=self.row_tokens, sequence_ids=self.sequence_ids,
+                             num_truncated=self.num_truncated)
 
 
 def _check_node(tree: RolloutTree, node: Node) -> None:
@@ -259,8 +260,8 @@ def build_training_batch(
     return TrainingBatch(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=positions * attention_mask,
         loss_mask=loss_mask, advantages=advantages_t, old_logprobs=old_logprobs, lengths=lengths,
-        num_tokens=int(sum(row_tokens)), sequence_ids=sequence_ids, num_truncated=num_truncated,
-        row_tokens=torch.tensor(row_tokens, dtype=torch.long))
+        row_tokens=torch.tensor(row_tokens, dtype=torch.long), sequence_ids=sequence_ids,
+        num_truncated=num_truncated)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -506,7 +507,7 @@ class PolicyUpdater:
             zeros = torch.zeros(1, 2, dtype=torch.float32)
             micro.append(TrainingBatch(
                 input_ids=pad, attention_mask=torch.ones_like(pad), position_ids=torch.arange(2).unsqueeze(0),
-                loss_mask=zeros, advantages=zeros, old_logprobs=zeros, lengths=torch.tensor([2]), num_tokens=0,
+                loss_mask=zeros, advantages=zeros, old_logprobs=zeros, lengths=torch.tensor([2]),
                 row_tokens=torch.zeros(1, dtype=torch.long)))
         return micro
 
@@ -593,7 +594,7 @@ class PolicyUpdater:
             arXiv 2503.14476; KL k3 as in GRPO, arXiv 2402.03300.
         """
         batch = build_training_batch(trees, self.pad_token_id, self.max_tokens)
-        return self._train(batch, lambda micro, n, n_trained: self._rl_loss(micro, n, n_trained, temperature), self.cfg.ppo_epochs)
+        return self._train(batch, functools.partial(self._rl_loss, temperature=temperature), self.cfg.ppo_epochs)
 
     def sft_step(self, trees: Sequence[RolloutTree]) -> dict[str, float]:
         """One supervised step: token-mean cross-entropy on the trees' ``loss_mask`` tokens, one optimizer step.

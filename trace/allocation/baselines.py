@@ -50,6 +50,7 @@ __all__ = [
     "ExpansionPlan",
     "DapoResult",
     "root_budget_for",
+    "stage1_floor",
     "uniform_root_counts",
     "plan_root_counts",
     "plan_expansion",
@@ -136,6 +137,31 @@ def root_budget_for(spec: AblationSpec, trajectory_budget: int, expansion_ratio:
     return int(round(trajectory_budget / (1.0 + expansion_ratio)))
 
 
+def stage1_floor(rule: str, num_candidates: int, root_budget: int, m_min: int,
+                 knapsack_m_min: int | None) -> tuple[int, str, bool]:
+    """The lower bound, its params key, and whether prompts may be skipped, for a stage-1 root rule.
+
+    ``trace`` may skip and gives an active prompt at least ``m_min``. ``knapsack`` (Knapsack-RL) gives every
+    candidate at least ``knapsack_m_min`` (``None``: ``m_min``) and skips only when the budget cannot give
+    every candidate that floor.
+
+    Returns:
+        ``(floor, key, allow_skip)``, e.g. ``(2, "allocation.knapsack_m_min", False)``.
+
+    Raises:
+        ValueError: ``rule`` is neither ``"trace"`` nor ``"knapsack"``.
+    """
+    if rule == "trace":
+        return int(m_min), "allocation.m_min", True
+    if rule != "knapsack":
+        raise ValueError(f"root rule {rule!r} has no stage-1 floor; only trace and knapsack solve stage 1")
+    if knapsack_m_min is None:
+        floor, key = int(m_min), "allocation.m_min"
+    else:
+        floor, key = int(knapsack_m_min), "allocation.knapsack_m_min"
+    return floor, key, root_budget < num_candidates * floor
+
+
 def uniform_root_counts(num_candidates: int, root_budget: int, group_size: int,
                         order: np.ndarray | None = None) -> np.ndarray:
     """Uniform groups: ``k = min(B, max(1, R // n))`` candidates share ``R`` as evenly as possible.
@@ -217,11 +243,10 @@ def plan_root_counts(spec: AblationSpec, pred_success_prob, *, trajectory_budget
         rank[canonical_order(num_candidates, tie_keys)] = np.arange(num_candidates)
         counts = uniform_root_counts(num_candidates, root_budget, group_size, np.lexsort((rank, distance)))
     elif rule in ("trace", "knapsack"):
-        floor = m_min if rule == "trace" or knapsack_m_min is None else int(knapsack_m_min)
-        allow_skip = rule == "trace" or root_budget < num_candidates * floor
-        if rule == "knapsack" and knapsack_m_min is not None:
-            check_root_budget_feasible(num_candidates, root_budget, floor, m_max, allow_skip=allow_skip,
-                                       m_min_key="allocation.knapsack_m_min")
+        floor, floor_key, allow_skip = stage1_floor(rule, num_candidates, root_budget, m_min, knapsack_m_min)
+        # allocate_roots checks this too; here the error names the key that set the floor
+        check_root_budget_feasible(num_candidates, root_budget, floor, m_max, allow_skip=allow_skip,
+                                   m_min_key=floor_key)
         result = allocate_roots(p, root_budget, floor, m_max, exact_max_cells=exact_max_cells,
                                 tie_keys=tie_keys, allow_skip=allow_skip)
         counts = result.counts
