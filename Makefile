@@ -33,8 +33,10 @@ $(STAMP): requirements.txt
 	touch $(STAMP)
 
 # The main job: every DVC stage on params.yaml, against one local Prefect server started for the run.
+# The params are checked first (a second or two), before the server starts.
 run: venv
-	@export PREFECT_API_URL=$$($(BIN)/python -m flows.server ensure --port $(PORT)) && \
+	@$(BIN)/python -m flows.check_params || exit 1; \
+	  export PREFECT_API_URL=$$($(BIN)/python -m flows.server ensure --port $(PORT)) && \
 	  PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/dvc repro; status=$$?; \
 	  $(BIN)/python -m flows.server stop >/dev/null; exit $$status
 

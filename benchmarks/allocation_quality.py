@@ -52,8 +52,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from benchmarks.common import figure_path, mean_std, parse_args, pyplot, write_report
-from trace.allocation.baselines import ABLATIONS, AblationSpec, get_ablation, plan_expansion, plan_root_counts, \
-    run_dapo
+from trace.allocation.baselines import ABLATIONS, AblationSpec, NoMixedGroupError, get_ablation, plan_expansion, \
+    plan_root_counts, run_dapo
 from trace.allocation.prefix import candidate_anchors, split_expansion_budget
 from trace.config import AllocationConfig, PredictorConfig, PredictorKind, SimulatorConfig
 from trace.envs.base import Prompt
@@ -351,7 +351,8 @@ def simulated_step(spec: AblationSpec, env: SimulatorEnvironment, pool: Sequence
             result = run_dapo(rollout_fn, len(candidates), acfg.group_size, acfg.trajectory_budget,
                               acfg.dapo_max_retries, step_rng(seed, step, "dapo"))
             metrics["dapo/rounds"] = float(result.num_rounds)
-        except RuntimeError:
+        except NoMixedGroupError as err:
+            metrics["dapo/rounds"] = float(err.num_rounds)
             metrics["dapo/no_mixed_group"] = 1.0
         trees = sampled
     else:

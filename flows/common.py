@@ -19,6 +19,11 @@ PREDICTOR = DATA / "predictor"
 RUNS = DATA / "runs"
 EVAL = DATA / "eval"
 REPORTS = REPO_ROOT / "reports"
+# DVC metrics files: outside the git-ignored data/ and reports/, so `dvc exp run` commits them with each
+# experiment and `dvc exp show` / `dvc metrics diff` compare them
+METRICS = REPO_ROOT / "metrics"
+# training checkpoints, kept out of every DVC output (see checkpoint_store)
+CHECKPOINTS = Path("data") / "checkpoints"
 
 _DEFAULT_ENV = {
     "DS_ACCELERATOR": "cpu",
@@ -50,6 +55,18 @@ def run_dir(ablation: str) -> Path:
     return RUNS / ablation
 
 
+def checkpoint_store() -> Path:
+    """Folder of the training checkpoints: ``data/checkpoints`` of the main repository.
+
+    DVC sets ``DVC_ROOT`` for every stage command to the repository it was started in; for a queued
+    experiment (``dvc exp run --queue``, run in a temporary copy under ``.dvc/tmp/exps``) it is the main
+    repository, so a queued run finds the checkpoints of an earlier attempt. Outside DVC: this repository.
+    The store is no DVC output, so DVC's restore of outputs before a run (``dvc exp run`` checks out every
+    output from ``dvc.lock``) never replaces a checkpoint.
+    """
+    return Path(os.environ.get("DVC_ROOT") or REPO_ROOT) / CHECKPOINTS
+
+
 def stage_args(description: str, *, ablation: bool = False, argv: list[str] | None = None) -> argparse.Namespace:
     """Parse the common stage options: ``--params`` (default params.yaml) and, for per-ablation stages,
     ``--ablation``."""
@@ -79,22 +96,29 @@ def read_split(split: str):
     return read_prompts(PREPARED / f"{split}.jsonl")
 
 
-def open_run(cfg, stage: str, params: dict, ablation: str = "", resume: bool = False):
+def open_run(cfg, stage: str, params: dict, ablation: str = "", resume: bool = False,
+             continue_run: bool | None = None):
     """MLflow run of this stage execution (see ``trace.tracking.stage_run``).
 
-    A resumable stage is keyed by ``cfg.resume_hash()`` so a run extended with more steps continues the
-    same MLflow run.
+    Args:
+        resume: the stage is resumable: its run is keyed by ``cfg.resume_hash()`` (not ``params_hash``), so a
+            run extended with more steps continues the earlier MLflow run.
+        continue_run: continue the newest run with that key in a new run that carries its history
+            (default: ``resume``); False starts a new run under the same key (a resumable stage that starts
+            from step 0).
     """
     from trace.tracking import stage_run
 
     return stage_run(stage, tracking_uri=cfg.tracking.tracking_uri, experiment_name=cfg.tracking.experiment_name,
                      params=params, params_hash=cfg.resume_hash() if resume else cfg.params_hash(),
-                     ablation=ablation, resume=resume)
+                     ablation=ablation, resume=resume if continue_run is None else continue_run, seed=cfg.seed)
 
 
-def section_params(cfg, *sections: str) -> dict:
-    dumped = cfg.model_dump(mode="json")
-    return {name: dumped[name] for name in sections}
+def stage_params(cfg, stage: str) -> dict:
+    """The params ``stage`` reads (``trace.stages.STAGE_PARAMS``): its MLflow params."""
+    from trace.stages import stage_params as params_of
+
+    return params_of(cfg, stage)
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -115,14 +139,23 @@ def load_stage_policy(cfg, path: Path):
 
 
 def stage_main(flow_fn, description: str, *, ablation: bool = False, argv: list[str] | None = None):
-    """Command-line entry of a stage: set the environment, parse ``--params`` (and ``--ablation``), validate
-    the params before Prefect starts, then run the stage's flow."""
-    setup_process_env()
+    """Command-line entry of a stage: parse ``--params`` (and ``--ablation``), validate the params (a bad
+    value exits with its key, value, rule and fix, no traceback), set the environment, run the stage's flow."""
+    from trace.config import ConfigError
+
     args = stage_args(description, ablation=ablation, argv=argv)
-    cfg = load_stage_config(args)
+    try:
+        cfg = load_stage_config(args)
+    except ConfigError as err:  # the message names key, value, rule and fix: no traceback
+        raise SystemExit(str(err)) from None
+    setup_process_env()
+    from flows.prefect_runs import owned_flow_runs
+
     if not ablation:
-        return flow_fn(args.params)
+        with owned_flow_runs():  # flow runs of killed stages end Crashed; this one is tagged with its process
+            return flow_fn(args.params)
     valid = [a.value for a in cfg.train.ablations]
     if args.ablation not in valid:
         raise SystemExit(f"--ablation {args.ablation!r} is not in train.ablations {valid} of {args.params}")
-    return flow_fn(args.params, args.ablation)
+    with owned_flow_runs():
+        return flow_fn(args.params, args.ablation)

@@ -1,28 +1,46 @@
-"""Stage ``evaluate@<ablation>``: held-out accuracy of the trained policy (greedy, pass@k, by hop count)."""
+"""Stage ``evaluate@<ablation>``: held-out accuracy of the trained policy (greedy, pass@k, by hop count).
+
+Besides ``data/eval/<ablation>.json`` it writes the arm's DVC metrics file ``metrics/ablations/<ablation>.json``:
+the held-out accuracies and the training summary (means over steps of effective ratio, reward, ...; wall
+times left out, they differ between identical runs), which ``dvc exp show`` and ``dvc metrics diff``
+compare across experiments.
+"""
 
 from __future__ import annotations
 
 from prefect import flow
 
-from flows.common import stage_main, EVAL, build_environment, load_stage_policy, open_run, read_split, \
-    run_dir, section_params, write_json
+import json
+
+from flows.common import stage_main, EVAL, METRICS, build_environment, load_stage_policy, open_run, read_split, \
+    run_dir, stage_params, write_json
+
+
+def arm_metrics(eval_metrics: dict, train_summary: dict) -> dict:
+    """The arm's DVC metrics: held-out accuracies and the training summary, without wall times."""
+    merged = {**{k: v for k, v in train_summary.items() if k != "ablation"}, **eval_metrics}
+    return {k: v for k, v in sorted(merged.items()) if "time/" not in k}
 
 
 @flow(name="evaluate", log_prints=False)
 def evaluate_flow(params: str, ablation: str) -> dict:
     from trace.config import load_config
     from trace.loop import evaluate_policy
+    from trace.tracking import arm_result_metrics
 
     cfg = load_config(params)
     env = build_environment(cfg)
     evals = read_split("eval")[: cfg.evaluate.num_prompts]
     policy = load_stage_policy(cfg, run_dir(ablation) / "final")
-    with open_run(cfg, "evaluate", section_params(cfg, "seed", "evaluate", "rollout"), ablation=ablation) as run:
+    with open_run(cfg, "evaluate", stage_params(cfg, "evaluate"), ablation=ablation) as run:
         metrics, _ = evaluate_policy(policy, env, evals, cfg.rollout, seed=cfg.seed,
                                      max_context_tokens=cfg.policy.max_context_tokens, pass_k=cfg.evaluate.pass_k,
                                      temperature=cfg.evaluate.temperature)
-        run.log_metrics(metrics)
+        summary = json.loads((run_dir(ablation) / "summary.json").read_text())
+        # the arm's results (arm/*) first: MLflow's compare view starts with a run's first metric
+        run.log_metrics({**arm_result_metrics(metrics, summary, cfg.evaluate.pass_k), **metrics})
         write_json(EVAL / f"{ablation}.json", {"ablation": ablation, **metrics})
+        write_json(METRICS / "ablations" / f"{ablation}.json", arm_metrics(metrics, summary))
     print({k: round(v, 4) for k, v in metrics.items()})
     return metrics
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.common import stage_main, DATA, PREDICTOR, SEED_TREES, WARMUP_MODEL, build_environment, load_stage_policy, open_run, section_params, write_json
+from flows.common import stage_main, METRICS, PREDICTOR, SEED_TREES, WARMUP_MODEL, build_environment, load_stage_policy, open_run, stage_params, write_json
 
 
 def make_stage_predictor(cfg, env, policy):
@@ -30,7 +30,7 @@ def fit_predictor_flow(params: str) -> dict:
     trees = read_trees(SEED_TREES / "trees.parquet")
     held = [t for t in trees if zlib.crc32(t.prompt_uid.encode()) % 5 == 0]
     fit = [t for t in trees if zlib.crc32(t.prompt_uid.encode()) % 5 != 0]
-    with open_run(cfg, "fit_predictor", section_params(cfg, "seed", "predictor")) as run:
+    with open_run(cfg, "fit_predictor", stage_params(cfg, "fit_predictor")) as run:
         metrics: dict = {}
         if held and fit:
             probe = make_stage_predictor(cfg, env, policy)
@@ -40,7 +40,7 @@ def fit_predictor_flow(params: str) -> dict:
         metrics.update({k: v for k, v in predictor.fit(trees).items() if isinstance(v, (int, float))})
         predictor.save(PREDICTOR / "predictor.pt")
         run.log_metrics(metrics)
-        write_json(DATA / "metrics" / "fit_predictor.json", metrics)
+        write_json(METRICS / "fit_predictor.json", metrics)
     print({k: round(v, 4) for k, v in metrics.items()})
     return metrics
 

@@ -2,7 +2,8 @@
 
 The flow runs ``dvc repro`` (or ``dvc exp run -S key=value ...`` with overrides), so DVC's cache decides
 what reruns and a scheduled run that finds nothing changed does no work. Prefect owns retries, logs and
-schedules.
+schedules. The params with the overrides are validated first: a bad value stops here, before DVC writes
+it into params.yaml.
 
 Usage:
     python -m flows.pipeline run [-S train.num_steps=100 ...]
@@ -71,8 +72,19 @@ def main(argv: list[str] | None = None) -> None:
                        help="param override KEY=VALUE (repeatable), as dvc exp run -S")
         p.add_argument("targets", nargs="*", help="DVC stages to reproduce (default: all)")
     args = parser.parse_args(argv)
+    from flows.check_params import check_params, parse_overrides
+
+    try:
+        problem = check_params(REPO_ROOT / "params.yaml", parse_overrides(args.overrides), undo_hint=False)
+    except ValueError as err:
+        problem = str(err)
+    if problem:  # before dvc writes the overrides into params.yaml
+        raise SystemExit(problem)
     if args.command == "run":
-        pipeline_flow(args.overrides, args.targets)
+        from flows.prefect_runs import owned_flow_runs
+
+        with owned_flow_runs():  # flow runs of killed pipelines end Crashed; this one is tagged with its process
+            pipeline_flow(args.overrides, args.targets)
     else:
         if not os.environ.get("PREFECT_API_URL"):
             raise SystemExit("schedules need a running Prefect server: start one with "

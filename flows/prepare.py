@@ -6,7 +6,7 @@ from collections import Counter
 
 from prefect import flow
 
-from flows.common import stage_main, PREPARED, build_environment, open_run, section_params, write_json
+from flows.common import stage_main, PREPARED, build_environment, open_run, stage_params, write_json
 
 
 def task_prompts(cfg, env, split: str):
@@ -26,7 +26,7 @@ def prepare_flow(params: str) -> dict:
     cfg = load_config(params)
     env = build_environment(cfg)
     summary = {}
-    with open_run(cfg, "prepare", section_params(cfg, "seed", "task")) as run:
+    with open_run(cfg, "prepare", stage_params(cfg, "prepare")) as run:
         for split in ("train", "eval"):
             prompts = task_prompts(cfg, env, split)
             save_prompts(prompts, PREPARED / f"{split}.jsonl")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.common import stage_main, DATA, SEED_TREES, WARMUP_MODEL, build_environment, load_stage_policy, \
-    open_run, read_split, section_params, write_json
+from flows.common import stage_main, METRICS, SEED_TREES, WARMUP_MODEL, build_environment, load_stage_policy, \
+    open_run, read_split, stage_params, write_json
 
 
 @flow(name="seed_rollouts", log_prints=False)
@@ -22,12 +22,12 @@ def seed_rollouts_flow(params: str) -> dict:
     rng = step_rng(cfg.seed, -1, "seed_prompts")
     pick = rng.choice(len(train), size=min(cfg.seed_rollouts.num_prompts, len(train)), replace=False)
     prompts = [train[i] for i in sorted(pick)]
-    with open_run(cfg, "seed_rollouts", section_params(cfg, "seed", "seed_rollouts", "rollout")) as run:
+    with open_run(cfg, "seed_rollouts", stage_params(cfg, "seed_rollouts")) as run:
         trees = collect_seed_rollouts(policy, env, prompts, cfg)
         write_trees([t.copy_without_state() for t in trees], SEED_TREES / "trees.parquet")
         metrics = {f"seed/{k}": v for k, v in rollout_metrics(trees).items()}
         run.log_metrics(metrics)
-        write_json(DATA / "metrics" / "seed_rollouts.json", metrics)
+        write_json(METRICS / "seed_rollouts.json", metrics)
     print({k: round(v, 4) for k, v in metrics.items()})
     return metrics
 

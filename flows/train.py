@@ -2,17 +2,88 @@
 
 A Prefect task costs ~0.15 s on a local server against ~1-2 s for a default step, so each task runs
 ``train.steps_per_task`` steps; the share of a step spent outside model compute is measured by the
-orchestration benchmark. A killed run restarted with the same command resumes from its last checkpoint.
+orchestration benchmark.
+
+Resume: the trainer works in a checkpoint folder outside every DVC output,
+``data/checkpoints/<ablation>/<params hash>-<deps hash>`` of the main repository (``checkpoint_store``),
+keyed by the params (``Config.resume_hash``: all but the step count and checkpoint cadence) and the contents
+of the stage's ``deps`` in ``dvc.yaml`` (code, prepared prompts, warmup policy, predictor). A killed run
+started again with the same command (``make run``, ``dvc repro``, ``dvc exp run``, a queued experiment)
+continues from its last checkpoint, even after DVC restored the stage's outputs of another run from
+``dvc.lock``. The stage's output ``data/runs/<ablation>`` (trees, final policy, summary) is written from the
+checkpoint folder at the end.
+
+MLflow gets a step's metrics once the checkpoint that holds the step is saved (from the trainer's history),
+so a resumed run logs every step exactly once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+from pathlib import Path
+
 from prefect import flow, task
 from prefect.cache_policies import NONE
 
-from flows.common import stage_main, PREDICTOR, WARMUP_MODEL, build_environment, load_stage_policy, open_run, read_split, run_dir, section_params, write_json
+from flows.common import REPO_ROOT, stage_main, PREDICTOR, WARMUP_MODEL, build_environment, checkpoint_store, \
+    load_stage_policy, open_run, read_split, run_dir, stage_params, write_json
 
-TRAIN_SECTIONS = ("seed", "task", "policy", "rollout", "predictor", "allocation", "advantages", "update", "train")
+# logged at every step, in the same batch as the step's other metrics: marks a step as logged
+STEP_MARKER = "tokens/cumulative"
+
+
+def checkpoint_dir(cfg, ablation: str) -> Path:
+    """The arm's checkpoint folder for these params and the current contents of the stage's deps."""
+    from trace.stages import deps_digest, stage_deps
+
+    deps = stage_deps(REPO_ROOT / "dvc.yaml", "train", ablation)
+    return checkpoint_store() / ablation / f"{cfg.resume_hash()}-{deps_digest(REPO_ROOT, deps)}"
+
+
+@contextlib.contextmanager
+def exclusive(folder: Path):
+    """Hold an exclusive lock on ``folder`` (one process trains into a checkpoint folder at a time; the
+    operating system drops the lock of a killed process)."""
+    import fcntl
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f"{folder.name}.lock", "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another process training into {folder}")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+def log_checkpointed_steps(run, history: list[dict], until_step: int, logged: set[int]) -> None:
+    """Log the metrics of each step ``< until_step`` of ``history`` that ``logged`` lacks, one batch a step."""
+    for entry in history:
+        step = int(entry["step"])
+        if step < until_step and step not in logged:
+            run.log_metrics({k: v for k, v in entry.items() if k != "step"}, step)
+            logged.add(step)
+
+
+def logged_steps(run) -> set[int]:
+    """Steps the MLflow run already holds (by ``STEP_MARKER``)."""
+    from trace.tracking import metric_key
+
+    return {m.step for m in run.client.get_metric_history(run.run_id, metric_key(STEP_MARKER))}
+
+
+def write_outputs(trainer, policy, out_dir: Path, summary: dict, ablation: str) -> None:
+    """The stage's DVC output: the trees of every step, the final policy and the summary."""
+    from trace.policy.model import save_policy
+
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.mkdir(parents=True)
+    if trainer.trees_root.is_dir():
+        shutil.copytree(trainer.trees_root, out_dir / "trees")
+    policy.model.load_state_dict(trainer.updater.policy_state_dict())
+    save_policy(policy, out_dir / "final")
+    write_json(out_dir / "summary.json", {"ablation": ablation, **summary})
 
 
 @task(name="train-steps", cache_policy=NONE)
@@ -24,30 +95,36 @@ def train_steps(trainer, until_step: int) -> int:
 @flow(name="train", log_prints=False)
 def train_flow(params: str, ablation: str) -> dict:
     from trace.config import load_config
-    from trace.loop import Trainer
-    from trace.policy.model import save_policy
+    from trace.loop import Trainer, check_candidate_pool
     from trace.predictor import load_predictor
+    from trace.tracking import metric_key, summary_metrics
 
     cfg = load_config(params)
     env = build_environment(cfg)
     train, evals = read_split("train"), read_split("eval")
+    check_candidate_pool(len(train), cfg.allocation.num_candidates)  # before the policy loads
     policy = load_stage_policy(cfg, WARMUP_MODEL)
     predictor = load_predictor(PREDICTOR / "predictor.pt", cfg.predictor, env=env, policy=policy, seed=cfg.seed)
-    out_dir = run_dir(ablation)
-    with open_run(cfg, "train", section_params(cfg, *TRAIN_SECTIONS), ablation=ablation, resume=True) as run:
+    work = checkpoint_dir(cfg, ablation)
+    with exclusive(work):
         trainer = Trainer(cfg, ablation, policy=policy, env=env, train_prompts=train, eval_prompts=evals,
-                          predictor=predictor, run_dir=out_dir, log_metrics=lambda m, s: run.log_metrics(m, s))
+                          predictor=predictor, run_dir=work)
         start = trainer.resume()
         if start:
-            print(f"resuming {ablation} at step {start}")
-        step = start
-        while step < cfg.train.num_steps:
-            step = train_steps(trainer, min(step + cfg.train.steps_per_task, cfg.train.num_steps))
-        policy.model.load_state_dict(trainer.updater.policy_state_dict())
-        save_policy(policy, out_dir / "final")
-        summary = trainer.summary()
-        run.log_metrics({f"summary/{k}": v for k, v in summary.items()})
-        write_json(out_dir / "summary.json", {"ablation": ablation, **summary})
+            print(f"resuming {ablation} at step {start} from {work}")
+        with open_run(cfg, "train", stage_params(cfg, "train"), ablation=ablation, resume=True,
+                      continue_run=start > 0) as run:
+            logged = logged_steps(run) if start else set()
+            log_checkpointed_steps(run, trainer.history, start, logged)
+            step = start
+            while step < cfg.train.num_steps:
+                step = train_steps(trainer, min(step + cfg.train.steps_per_task, cfg.train.num_steps))
+                log_checkpointed_steps(run, trainer.history, trainer.checkpoint_step, logged)
+            summary = trainer.summary()
+            write_outputs(trainer, policy, run_dir(ablation), summary, ablation)
+            known = run.client.get_run(run.run_id).data.metrics  # a resumed finished run: log nothing twice
+            run.log_metrics({k: v for k, v in summary_metrics(summary).items()
+                             if known.get(metric_key(k)) != v}, trainer.next_step)
     print({k: round(v, 4) for k, v in summary.items()})
     return summary
 

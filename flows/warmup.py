@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.common import stage_main, DATA, WARMUP_MODEL, build_environment, open_run, read_split, \
-    section_params, write_json
+from flows.common import stage_main, METRICS, WARMUP_MODEL, build_environment, open_run, read_split, \
+    stage_params, write_json
 
 
 def build_policy(cfg, env):
@@ -35,7 +35,7 @@ def warmup_flow(params: str) -> dict:
     env = build_environment(cfg)
     train, evals = read_split("train"), read_split("eval")
     policy = build_policy(cfg, env)
-    with open_run(cfg, "warmup", section_params(cfg, "seed", "task", "policy", "warmup", "rollout")) as run:
+    with open_run(cfg, "warmup", stage_params(cfg, "warmup")) as run:
         summary: dict = {"warmup/num_parameters": policy.num_parameters}
         if cfg.warmup.enabled and hasattr(env, "solve"):
             result = run_warmup(policy, env, train, cfg, log_metrics=lambda m, s: run.log_metrics(m, s))
@@ -48,7 +48,7 @@ def warmup_flow(params: str) -> dict:
         summary.update(metrics)
         run.log_metrics(summary)
         save_policy(policy, WARMUP_MODEL)
-        write_json(DATA / "metrics" / "warmup.json", summary)
+        write_json(METRICS / "warmup.json", summary)
     print({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()})
     return summary
 

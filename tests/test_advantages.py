@@ -184,6 +184,54 @@ def slow_treepo(trees, eps, std_floor, clip):
 SLOW = {"grpo": slow_grpo, "tree_grpo": slow_tree_grpo, "treerpo": slow_treerpo, "treepo": slow_treepo}
 
 
+def empty_leaf(tree, node_id, keep_tokens=True):
+    """Make a leaf that generated nothing: its tokens stay as context (mask all 0) or it has no tokens."""
+    node = tree.nodes[node_id]
+    if keep_tokens:
+        node.loss_mask = [0] * len(node.token_ids)
+    else:
+        node.token_ids, node.logprobs, node.loss_mask = [], [], []
+
+
+def without_empty_leaves(trees):
+    """Each tree with every node removed that has no leaf with generated tokens at or below it.
+
+    Returns:
+        (pruned trees, per tree the kept node ids in order: ``kept[t][new_id] = old_id``).
+    """
+    pruned, kept_ids = [], []
+    for tree in trees:
+        live = [False] * len(tree.nodes)
+        for leaf in tree.leaves():
+            if leaf.num_generated_tokens > 0:
+                for node in tree.path(leaf.node_id):
+                    live[node.node_id] = True
+        live[0] = True
+        copy = RolloutTree(tree_id=tree.tree_id, prompt_uid=tree.prompt_uid, data_source=tree.data_source,
+                           example_id=tree.example_id)
+        new_id = {}
+        for node in tree.nodes:
+            if live[node.node_id]:
+                new_id[node.node_id] = len(copy.nodes)
+                copy.add_node(-1 if node.is_root else new_id[node.parent_id], turn_idx=node.turn_idx,
+                              origin=node.origin, token_ids=list(node.token_ids), loss_mask=list(node.loss_mask),
+                              reward=node.reward)
+        pruned.append(copy)
+        kept_ids.append(sorted(new_id, key=new_id.get))
+    return pruned, kept_ids
+
+
+def slow_without_empty_leaves(slow):
+    """The slow reference run on the pruned trees; removed nodes carry 0."""
+    def run(trees, eps, std_floor, clip):
+        pruned, kept_ids = without_empty_leaves(trees)
+        out = [np.zeros(len(tree.nodes)) for tree in trees]
+        for t, values in enumerate(slow(pruned, eps, std_floor, clip)):
+            out[t][kept_ids[t]] = values
+        return out
+    return run
+
+
 # ---- registry ----------------------------------------------------------------------------------------------
 def test_registry_names_match_the_config_enum():
     assert set(ESTIMATORS) == {e.value for e in Estimator}
@@ -329,6 +377,42 @@ def test_invalid_conventions_are_refused():
         compute_advantages([tree], "grpo", clip=-1.0)
 
 
+@pytest.mark.parametrize("keep_tokens", [True, False], ids=["mask_all_zero", "no_tokens"])
+def test_an_empty_leaf_does_not_shift_its_siblings_in_any_estimator(keep_tokens):
+    # rewards [1, 0, 0] with the first leaf empty: the group is the two others, [0, 0], constant -> 0.
+    # (Counted, it would give them (0 - 1/3) / sqrt(1/3) = -0.577.)
+    tree, ids = make_tree([(0,), (1,), (2,)], [1.0, 0.0, 0.0])
+    empty_leaf(tree, ids[(0,)], keep_tokens=keep_tokens)
+    for name in ESTIMATORS:
+        (values,) = compute_advantages([tree], name)
+        assert np.all(values == 0.0), (name, values)
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_a_tree_with_an_empty_leaf_matches_the_tree_without_it(name):
+    # leaf (1, 1) is empty: anchor (1,) is left with one live child, so it is no branch anchor any more
+    paths = [(0, 0), (0, 1), (1, 0), (1, 1), (2,)]
+    tree, ids = make_tree(paths, [1.0, 0.0, 0.0, 1.0, 1.0])
+    empty_leaf(tree, ids[(1, 1)])
+    twin, twin_ids = make_tree([p for p in paths if p != (1, 1)], [1.0, 0.0, 0.0, 1.0])
+    (values,) = compute_advantages([tree], name, std_floor=0.0)
+    (expected,) = compute_advantages([twin], name, std_floor=0.0)
+    for path, node_id in twin_ids.items():
+        assert values[ids[path]] == pytest.approx(expected[node_id], abs=1e-12), path
+    assert values[ids[(1, 1)]] == 0.0
+    assert np.abs(expected).max() > 0.1  # a non-trivial comparison
+
+
+def test_a_node_whose_leaves_are_all_empty_carries_zero():
+    tree, ids = make_tree([(0, 0), (0, 1), (1,), (2,)], [1.0, 1.0, 0.0, 1.0])
+    empty_leaf(tree, ids[(0, 0)])
+    empty_leaf(tree, ids[(0, 1)])
+    for name in ESTIMATORS:
+        (values,) = compute_advantages([tree], name)
+        assert values[ids[(0,)]] == 0.0 and values[ids[(0, 0)]] == 0.0, name
+        assert values[ids[(1,)]] != 0.0, name  # the group is (1,) and (2,): [0, 1]
+
+
 # ---- assign_advantages -------------------------------------------------------------------------------------
 def test_assign_advantages_sets_every_non_root_node_and_returns_leaf_rows():
     tree, ids = design_tree_grpo_tree()
@@ -359,7 +443,7 @@ def test_node_sums_equal_flat_leaf_row_training():
 
 # ---- fast == slow, fuzzed ----------------------------------------------------------------------------------
 @st.composite
-def tree_batches(draw):
+def tree_batches(draw, with_empty_leaves=False):
     trees = []
     for t in range(draw(st.integers(1, 4))):
         uid = draw(st.sampled_from(["kgqa/a", "kgqa/b", "math/a"]))
@@ -373,7 +457,13 @@ def tree_batches(draw):
             rewards = draw(st.lists(st.floats(0, 1, width=32), min_size=num_leaves, max_size=num_leaves))
         else:
             rewards = [float(np.float32(draw(st.sampled_from([0.1, 0.2, 1.0]))))] * num_leaves
-        trees.append(chain_tree(parents, rewards, prompt_uid=uid, tree_id=f"t{t}"))
+        tree = chain_tree(parents, rewards, prompt_uid=uid, tree_id=f"t{t}")
+        if with_empty_leaves:
+            for leaf in tree.leaves():
+                kind = draw(st.sampled_from(["generated", "generated", "masked", "no_tokens"]))
+                if kind != "generated":
+                    empty_leaf(tree, leaf.node_id, keep_tokens=kind == "masked")
+        trees.append(tree)
     return trees
 
 
@@ -387,6 +477,20 @@ def test_estimators_match_slow_references_and_stay_finite(trees, eps, std_floor,
         for f, r in zip(fast, ref):
             assert np.all(np.isfinite(f)), name
             np.testing.assert_allclose(f, r, atol=1e-9, err_msg=name)
+
+
+@settings(max_examples=60, deadline=None)
+@given(trees=tree_batches(with_empty_leaves=True), eps=st.sampled_from([1e-6, 1e-2]),
+       std_floor=st.sampled_from([0.0, 1e-3]), clip=st.sampled_from([None, 1.5]))
+def test_estimators_with_empty_leaves_equal_the_trees_without_them(trees, eps, std_floor, clip):
+    for name, slow in SLOW.items():
+        fast = compute_advantages(trees, name, eps=eps, std_floor=std_floor, clip=clip)
+        ref = slow_without_empty_leaves(slow)(trees, eps, std_floor, clip)
+        for tree, f, r in zip(trees, fast, ref):
+            np.testing.assert_allclose(f, r, atol=1e-9, err_msg=name)
+            for leaf in tree.leaves():
+                if leaf.num_generated_tokens == 0:
+                    assert f[leaf.node_id] == 0.0, name
 
 
 @settings(max_examples=30, deadline=None)

@@ -14,6 +14,7 @@ engine for the refresh check, and two replicas for the data-parallel check.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from dataclasses import dataclass
@@ -220,8 +221,11 @@ def test_multi_turn_rollouts_and_branches_record_exact_prefixes_and_logprobs(cas
             num_multi_turn += len(path) > 2
             for node in path[1:]:
                 generated = [t for t, m in zip(node.token_ids, node.loss_mask) if m]
-                if node is not leaf:  # a turn that got an observation ended at the marker (or EOS)
-                    assert generated[-1] in (marker, eos) and not {marker, eos} & set(generated[:-1])
+                assert not {marker, eos} & set(generated[:-1])  # nothing generated past a stop
+                if node is not leaf:  # a turn that got an observation ended at the marker: EOS ends the episode
+                    assert generated[-1] == marker
+                elif generated[-1] == eos:
+                    assert leaf.finish_reason == FinishReason.TERMINATED
             # the stored logprobs of every generated token equal a teacher-forced recompute of the whole path
             ids = [t for node in path for t in node.token_ids]
             mask = [m for node in path for m in node.loss_mask]
@@ -237,32 +241,55 @@ def test_multi_turn_rollouts_and_branches_record_exact_prefixes_and_logprobs(cas
     assert any(node.origin == Origin.BRANCH for tree in trees for node in tree.nodes)
 
 
+def _extend(prefixes: list[list[int]], generations: list[Generation], observation: list[int]) -> list[list[int]]:
+    """The next turn's contexts: each prefix + its generated tokens + an observation, as a rollout builds them."""
+    return [list(p) + list(g.token_ids) + list(observation) for p, g in zip(prefixes, generations)]
+
+
 def test_after_a_weight_update_generation_matches_a_freshly_started_backend(case, env, tmp_path):
     """The policy is updated in place, as an optimizer step does; the backend must serve the new weights and
-    must not reuse KV cached under the old ones (a fresh backend has no cache at all)."""
+    must not reuse KV cached under the old ones (a fresh backend has no cache at all).
+
+    The contexts sampled after the update extend sequences the backend served before it (the next turn of a
+    trajectory), so a backend that missed the update would find their stale KV and reuse it; a turn taken
+    before the update checks that the backend does reuse such KV while the weights stay put."""
     policy = case.policy
-    prefixes = [_long_prefix(env, policy, 3 * BLOCK)] * 3 + _prompt_prefixes(env, policy, 3)
+    observation = _prompt_prefixes(env, policy, 1)[0][1:]  # some words, standing in for a tool observation
+    turn0 = [_long_prefix(env, policy, 3 * BLOCK)] * 3 + _prompt_prefixes(env, policy, 3)
     original = {k: v.clone() for k, v in policy.model.state_dict().items()}
-    before = case.backend.generate(prefixes, max_new_tokens=6, seed=9)  # fills the prefix cache
+    old_model = copy.deepcopy(policy.model)
     try:
+        gens0 = case.backend.generate(turn0, max_new_tokens=6, seed=9)  # fills the cache
+        turn1 = _extend(turn0, gens0, observation)
+        reused_before = case.backend.stats["reused_tokens"]
+        gens1 = case.backend.generate(turn1, max_new_tokens=6, seed=10)
+        # unchanged weights: the cache serves the served part of every context (whole blocks for vLLM)
+        served = [len(p) + len(g.token_ids) - 1 for p, g in zip(turn0, gens0)]  # tokens whose KV is cached
+        if case.kind == "hf":  # identical contexts are prefilled once
+            min_reused = sum(dict(zip(map(tuple, turn1), served)).values())
+        else:
+            min_reused = sum(n // BLOCK * BLOCK for n in served)
+        assert case.backend.stats["reused_tokens"] - reused_before >= min_reused > 0
+        turn2 = _extend(turn1, gens1, observation)
         with torch.no_grad():
             generator = torch.Generator().manual_seed(0)
             for param in policy.model.parameters():
                 param.add_(0.3 * param.std() * torch.randn(param.shape, generator=generator))
-        after = case.backend.generate(prefixes, max_new_tokens=6, seed=9)
+        after = case.backend.generate(turn2, max_new_tokens=6, seed=11)
         fresh_policy = load_policy(save_policy(policy, tmp_path / "updated"))
         fresh = _start(case.kind, tmp_path / "updated", fresh_policy)
         try:
-            expected = fresh.generate(prefixes, max_new_tokens=6, seed=9)
+            expected = fresh.generate(turn2, max_new_tokens=6, seed=11)
         finally:
             if hasattr(fresh, "close"):
                 fresh.close()
         assert [g.token_ids for g in after] == [g.token_ids for g in expected]
-        for prefix, got, want, old in zip(prefixes, after, expected, before):
+        for prefix, got, want in zip(turn2, after, expected):
             assert_logprobs_close(got.logprobs, want.logprobs)
-            ref = reference_logprobs(policy.model, prefix, got.token_ids, 1.0, 1.0)
-            assert_logprobs_close(got.logprobs, ref)
-        assert any(abs(a.logprobs[0] - b.logprobs[0]) > 1e-3 for a, b in zip(after, before))  # the update mattered
+            assert_logprobs_close(got.logprobs, reference_logprobs(policy.model, prefix, got.token_ids, 1.0, 1.0))
+        # the update mattered: under the old weights the same tokens are clearly less or more likely
+        stale = [reference_logprobs(old_model, prefix, g.token_ids, 1.0, 1.0) for prefix, g in zip(turn2, after)]
+        assert any(abs(g.logprobs[0] - s[0]) > 1e-3 for g, s in zip(after, stale))
         if case.kind == "vllm":
             assert case.backend.stats["weight_refreshes"] >= 1
     finally:
@@ -291,6 +318,24 @@ def test_routing_keeps_a_trajectory_on_the_replica_holding_its_prefix_and_balanc
                 [8] * 10]  # replica 0 holds 8 tokens, replica 1 holds 8 -> replica 0 (tie, lowest index)
     assert route_requests(prefixes, [0, 1, 2, 3, 4], 2, affinity) == [1, 0, 0, 0, 0]
     assert route_requests(prefixes, [1, 4], 1, affinity) == [0, 0]
+
+
+def test_vllm_finish_is_eos_only_for_an_eos_and_length_at_either_length_limit():
+    # pure Python: the mapping from a vLLM completion to Generation.finish, HFBackend's precedence
+    from trace.policy.vllm_backend import VLLMBackend
+
+    backend = object.__new__(VLLMBackend)  # no engine: _finish reads only eos_token_ids
+    backend.eos_token_ids = frozenset({2})
+    marker = frozenset({13})
+    assert backend._finish([5, 2], marker, None, 8, "stop") == "eos"
+    assert backend._finish([5, 2], marker, None, 2, "length") == "eos"  # EOS as the last allowed token
+    assert backend._finish([5, 13], marker, 13, 8, "stop") == "stop"
+    assert backend._finish([5, 6], marker, "Observation:", 8, "stop") == "stop"
+    assert backend._finish([5, 6, 7], marker, None, 3, "length") == "length"
+    # cut by the engine's max_model_len before max_new_tokens: a length limit, not the end of the episode
+    assert backend._finish([5, 6], marker, None, 8, "length") == "length"
+    # stopped on a generation-config EOS id the backend was not told about
+    assert backend._finish([5, 7], marker, 7, 8, "stop") == "eos"
 
 
 def test_make_backend_serves_hf_by_default_and_names_the_missing_vllm_package(policy_dir):

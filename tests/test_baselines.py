@@ -9,6 +9,7 @@ from trace.allocation.baselines import (
     ABLATIONS,
     PREFIX_RULES,
     ROOT_RULES,
+    NoMixedGroupError,
     get_ablation,
     plan_expansion,
     plan_root_counts,
@@ -243,18 +244,31 @@ def test_dapo_never_exceeds_the_budget_while_refilling():
     assert len(result.kept_candidates) <= 4
 
 
-def test_dapo_without_any_mixed_group_names_the_retry_key():
-    with pytest.raises(RuntimeError, match="allocation.dapo_max_retries"):
+def test_dapo_without_any_mixed_group_raises_its_own_error_naming_the_retry_key():
+    with pytest.raises(NoMixedGroupError, match="allocation.dapo_max_retries") as err:
         run_dapo(mixed_when(lambda c: False), num_candidates=8, group_size=4, trajectory_budget=16,
                  max_retries=2, rng=np.random.default_rng(0))
+    assert err.value.num_rounds == 1 and err.value.num_trajectories == 16  # round 1 spent the whole budget
+
+
+def test_dapo_lets_an_error_of_the_rollouts_through_unchanged():
+    from trace.envs.qa import RetrieverError
+
+    def unreachable(candidates, n):
+        raise RetrieverError("retriever http://127.0.0.1:9/retrieve did not answer")
+
+    with pytest.raises(RetrieverError) as err:
+        run_dapo(unreachable, num_candidates=8, group_size=4, trajectory_budget=16, max_retries=2,
+                 rng=np.random.default_rng(0))
+    assert not isinstance(err.value, NoMixedGroupError)
 
 
 def test_dapo_retry_bound_is_respected():
     calls = []
-    with pytest.raises(RuntimeError):
+    with pytest.raises(NoMixedGroupError) as err:
         run_dapo(mixed_when(lambda c: False, calls), num_candidates=50, group_size=2, trajectory_budget=100,
                  max_retries=3, rng=np.random.default_rng(0), target_groups=2)
-    assert len(calls) == 4  # round 1 plus three retries
+    assert len(calls) == 4 and err.value.num_rounds == 4  # round 1 plus three retries
 
 
 def test_an_unsplittable_root_budget_fails_at_config_load_naming_the_arm_and_key():

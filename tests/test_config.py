@@ -2,7 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from trace.config import Ablation, Config, ConfigError, config_from_dict, load_config
+from trace.config import (Ablation, Config, ConfigError, config_from_dict, load_config, parse_params_yaml,
+                          read_params_file)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,3 +84,35 @@ def test_params_hash_ignores_the_arm_list_and_orchestration():
     a = config_from_dict({"train": {"ablations": ["grpo"]}})
     b = config_from_dict({"train": {"ablations": ["grpo", "trace"], "steps_per_task": 3}})
     assert a.params_hash() == b.params_hash()
+
+
+def test_a_section_given_twice_is_refused_naming_the_key_both_lines_and_the_file(tmp_path):
+    p = tmp_path / "params.yaml"
+    # safe_load would keep only the second section: update.lr would silently fall back to its default
+    p.write_text("update:\n  lr: 0.5\ntrain:\n  num_steps: 3\nupdate:\n  zero_stage: 1\n")
+    with pytest.raises(ConfigError, match=r"params.yaml: key 'update' is given twice \(lines 1 and 5\)"):
+        load_config(p)
+
+
+def test_a_nested_key_given_twice_is_refused_with_its_dotted_name(tmp_path):
+    p = tmp_path / "params.yaml"
+    p.write_text("train:\n  num_steps: 3\n  ablations: [grpo]\n  num_steps: 4\n")
+    with pytest.raises(ConfigError, match=r"key 'train.num_steps' is given twice \(lines 2 and 4\)"):
+        read_params_file(p)
+    with pytest.raises(ConfigError, match=r"'allocation.m_max' is given twice \(lines 1 and 1\)"):
+        parse_params_yaml("allocation: {m_max: 4, m_max: 8}\n")
+
+
+def test_keys_that_differ_or_override_a_yaml_merge_are_not_duplicates():
+    text = "base: &base {lr: 0.1, zero_stage: 0}\nupdate:\n  <<: *base\n  lr: 0.2\nmapping: {1: a, '1': b}\n"
+    assert parse_params_yaml(text) == {"base": {"lr": 0.1, "zero_stage": 0}, "update": {"lr": 0.2, "zero_stage": 0},
+                                       "mapping": {1: "a", "1": "b"}}
+    assert parse_params_yaml("shared: &s {k: 1}\na: *s\nloop: &l [1, *l]\n")["a"] == {"k": 1}  # aliases, once each
+
+
+@pytest.mark.parametrize("path", [ROOT / "params.yaml", ROOT / "tests" / "params_tiny.yaml",
+                                  *sorted((ROOT / "params").glob("*.yaml"))], ids=lambda p: p.name)
+def test_every_committed_params_file_reads_strictly(path):
+    import yaml
+
+    assert read_params_file(path) == yaml.safe_load(path.read_text())

@@ -70,9 +70,14 @@ def test_2wikimultihopqa_bamboogle_and_nq_question_files():
     assert result.prompts[2].answer == ["12 June 1516"]  # a plain-string answer
     bamboogle, result = first(TaskName.BAMBOOGLE, "bamboogle/bamboogle_test_questions_and_answers.json")
     assert len(result.prompts) == 125 and bamboogle.answer == ["james madison"]
-    nq, result = first(TaskName.NQ, "nq/nq_test_questions_and_answers.json")
-    assert len(result.prompts) == 3610 and nq.question == "when was the last time anyone was on the moon"
+    result = load_split(task(TaskName.NQ, train_path="../shared/data/nq/nq_test_questions_and_answers.json",
+                             eval_fraction=0.0), "train")
+    nq = result.prompts[0]
+    assert len(result.prompts) == 3608 and nq.question == "when was the last time anyone was on the moon"
     assert nq.answer == ["14 December 1972 UTC", "December 1972"]
+    # the two rows whose only answers, ")" and "---", normalise to "" cannot be scored by exact match
+    assert [bad.row for bad in result.bad_rows] == ["item 290", "item 363"]
+    assert all("empty after answer normalisation" in bad.reason for bad in result.bad_rows)
 
 
 @needs_data
@@ -158,8 +163,9 @@ def test_hash_split_is_disjoint_complete_deterministic_and_near_the_fraction():
     cfg = task(TaskName.NQ, eval_fraction=0.2)
     train, evaluation = load_prompts(cfg, "train"), load_prompts(cfg, "eval")
     train_uids, eval_uids = {p.prompt_uid for p in train}, {p.prompt_uid for p in evaluation}
-    assert not train_uids & eval_uids and len(train_uids | eval_uids) == 3610
-    assert abs(len(eval_uids) / 3610 - 0.2) < 0.03  # binomial sd ~0.007
+    # 3610 rows less 2 whose only answers normalise to "" (")" and "---")
+    assert not train_uids & eval_uids and len(train_uids | eval_uids) == 3608
+    assert abs(len(eval_uids) / 3608 - 0.2) < 0.03  # binomial sd ~0.007
     assert [p.prompt_uid for p in load_prompts(cfg, "eval")] == [p.prompt_uid for p in evaluation]
     capped = load_prompts(task(TaskName.NQ, eval_fraction=0.2, max_train=7, max_eval=3), "train")
     assert [p.prompt_uid for p in capped] == [p.prompt_uid for p in train[:7]]
@@ -182,6 +188,38 @@ def test_eval_file_is_used_when_given_and_no_eval_data_is_an_error():
     with pytest.raises(DataError, match="eval_fraction"):
         load_prompts(task(TaskName.GSM8K, train_path="../shared/data/gsm8k/train_first1000.jsonl", eval_fraction=0.0),
                      "eval")
+
+
+def test_rows_without_ids_in_separate_train_and_eval_files_get_distinct_stable_uids(tmp_path):
+    train = write_lines(tmp_path / "train.jsonl", [json.dumps({"question": f"T{i}?", "answer": f"#### {i}"}).encode()
+                                                   for i in range(3)])
+    evaluation = write_lines(tmp_path / "test.jsonl", [json.dumps({"question": f"E{i}?", "answer": f"#### {i}"})
+                                                       .encode() for i in range(2)])
+    cfg = task(TaskName.GSM8K, train_path=str(train), eval_path=str(evaluation))
+    train_prompts = load_prompts(cfg, "train", allowed_roots=[tmp_path])
+    eval_prompts = load_prompts(cfg, "eval", allowed_roots=[tmp_path])
+    assert [p.prompt_uid for p in train_prompts] == ["gsm8k/0", "gsm8k/1", "gsm8k/2"]  # the train file's own ids
+    assert [p.prompt_uid for p in eval_prompts] == ["gsm8k/eval:0", "gsm8k/eval:1"]
+    assert [p.question for p in eval_prompts] == ["E0?", "E1?"]
+    assert [p.prompt_uid for p in load_prompts(cfg, "eval", allowed_roots=[tmp_path])] == \
+        [p.prompt_uid for p in eval_prompts]  # stable across loads
+
+
+def test_own_ids_repeated_in_the_eval_file_do_not_collide_with_the_train_file(tmp_path):
+    row = {"test_id": 0, "question": "Who?", "answer": "Me"}
+    train = write_lines(tmp_path / "train.json", [json.dumps(row).encode()])
+    evaluation = write_lines(tmp_path / "dev.json", [json.dumps({**row, "question": "Whom?"}).encode()])
+    cfg = task(TaskName.TWOWIKI, train_path=str(train), eval_path=str(evaluation))
+    assert [p.example_id for p in load_prompts(cfg, "train", allowed_roots=[tmp_path])] == ["0"]
+    assert [p.example_id for p in load_prompts(cfg, "eval", allowed_roots=[tmp_path])] == ["eval:0"]
+
+
+@needs_data
+def test_default_aime_train_and_eval_files_share_no_prompt_uid():
+    aime = task(TaskName.AIME_AMC)  # train_aime.json and aime.json, both without ids
+    train_uids = {p.prompt_uid for p in load_prompts(aime, "train")}
+    eval_uids = {p.prompt_uid for p in load_prompts(aime, "eval")}
+    assert len(train_uids) == 975 and len(eval_uids) == 30 and not train_uids & eval_uids
 
 
 @needs_data
@@ -211,6 +249,9 @@ def write_lines(path: Path, lines: list[bytes]) -> Path:
     (b'{"question": "Who?", "answer": }', "JSON error at column"),
     (b'["a list"]', "must be a JSON object"),
     (json.dumps({"question": "Who?", "answer": []}).encode(), "missing answer"),
+    # answers that normalise to "" (punctuation, articles): finish[.] would match them exactly
+    (json.dumps({"question": "Who?", "answer": "The"}).encode(), "empty after answer normalisation"),
+    (json.dumps({"question": "Who?", "answer": [")", "---"]}).encode(), "empty after answer normalisation"),
 ])
 def test_bad_rows_are_skipped_with_a_count_or_raise_naming_file_and_line(tmp_path, caplog, bad_line, reason):
     path = write_lines(tmp_path / "qa.jsonl", [json.dumps(GOOD).encode(), bad_line, json.dumps(GOOD).encode()])
@@ -233,6 +274,25 @@ def test_gsm8k_row_without_a_final_answer_is_bad(tmp_path):
     result = load_split(task(TaskName.GSM8K, train_path=str(path), eval_fraction=0.0), "train",
                         allowed_roots=[tmp_path])
     assert [p.answer for p in result.prompts] == ["3"] and "####" in result.bad_rows[0].reason
+
+
+def test_qa_aliases_that_normalise_to_nothing_are_dropped_and_the_rest_kept(tmp_path):
+    path = write_lines(tmp_path / "qa.jsonl", [json.dumps({"question": "Q?", "answer": ["A+", "AB+", "*"]}).encode()])
+    result = load_split(task(TaskName.NQ, train_path=str(path), eval_fraction=0.0), "train", allowed_roots=[tmp_path])
+    assert result.bad_rows == () and result.prompts[0].answer == ["AB+"]  # "A+" -> "a" -> "" (an article)
+
+
+@pytest.mark.parametrize("fmt, row", [
+    ("gsm8k", {"question": "Q?", "answer": "It costs #### $"}),
+    ("math", {"problem": "P?", "answer": "\\text{}"}),
+    ("math", {"problem": "P?", "solution": "So $\\boxed{x =}$."}),
+])
+def test_math_golds_with_nothing_to_compare_are_bad_rows(tmp_path, fmt, row):
+    path = write_lines(tmp_path / "m.jsonl", [json.dumps(row).encode()])
+    cfg = task(TaskName.MATH, train_path=str(path), eval_fraction=0.0, format=fmt)
+    result = load_split(cfg, "train", allowed_roots=[tmp_path])
+    assert result.prompts == [] and result.bad_rows[0].row == "line 1"
+    assert "no number and nothing is left after normalisation" in result.bad_rows[0].reason
 
 
 def test_duplicate_ids_are_bad_rows(tmp_path):

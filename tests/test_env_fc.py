@@ -173,6 +173,34 @@ def test_standardize_string_is_bfcl_s():
     assert standardize_string("it's") == 'it"s'
 
 
+LOAD = [{"name": "load", "parameters": {"type": "dict", "properties": {
+    "path": {"type": "string"}, "delimiter": {"type": "string"}, "columns": {"type": "array",
+                                                                         "items": {"type": "string"}}},
+    "required": ["path"]}}]
+
+
+@pytest.mark.parametrize("delimiter, valid", [(",", True), ("", True), (".", False), ("-", False), (" ", False),
+                                              (";", False)])
+def test_a_punctuation_gold_that_standardises_to_nothing_matches_only_itself(delimiter, valid):
+    # BFCL's parallel_multiple_21 has delimiter [",", ""]: standardised, "," is "" and would equal "." or "-"
+    gold = [{"load": {"path": ["data.csv"], "delimiter": [",", ""]}}]
+    call = FunctionCall("load", {"path": "data.csv", "delimiter": delimiter})
+    assert check_bfcl_calls([call], LOAD, gold, "simple_python").valid is valid
+
+
+def test_an_empty_string_does_not_match_a_required_punctuation_value():
+    gold = [{"load": {"path": ["data.csv"], "delimiter": [","], "columns": [[".", "a"]]}}]
+    assert check_bfcl_calls([FunctionCall("load", {"path": "data.csv", "delimiter": ",", "columns": [".", "a"]})],
+                            LOAD, gold, "simple_python").valid
+    for bad in ({"delimiter": ""}, {"delimiter": "_"}, {"columns": ["", "a"]}):
+        call = FunctionCall("load", {"path": "data.csv", "delimiter": ",", "columns": [".", "a"], **bad})
+        assert not check_bfcl_calls([call], LOAD, gold, "simple_python").valid, bad
+    api_gold = [{"Search": {"keyword": "-"}}]
+    assert check_api_bank_calls([FunctionCall("Search", {"keyword": "-"})], api_gold).valid
+    assert not check_api_bank_calls([FunctionCall("Search", {"keyword": ""})], api_gold).valid
+    assert not check_api_bank_calls([FunctionCall("Search", {"keyword": "."})], api_gold).valid
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.integers(1, 5).flatmap(lambda n: st.lists(st.lists(st.booleans(), min_size=n, max_size=n),
                                                     min_size=n, max_size=n)))

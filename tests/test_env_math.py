@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from trace.config import DataFileConfig, TaskConfig, TaskName
 from trace.data import load_prompts, make_task_environment
-from trace.envs.answers import extract_boxed, math_answers_match, parse_number
+from trace.envs.answers import extract_boxed, is_empty_math_answer, math_answers_match, parse_number
 from trace.envs.base import EpisodeFinishedError, Prompt
 from trace.envs.math import (CalculatorError, MathEnvironment, format_number, gsm8k_calculations, gsm8k_final_answer,
                              safe_calculate)
@@ -230,6 +230,21 @@ def test_turn_limit_truncates_and_finished_states_refuse_steps():
 def test_reset_refuses_prompts_of_another_source():
     with pytest.raises(ValueError, match="gsm8k"):
         MathEnvironment("gsm8k").reset(Prompt("aime_amc", "0", "q", "1"))
+
+
+@pytest.mark.parametrize("empty", ["", "$", "x =", "\\text{}", ".", "%"])
+def test_empty_answers_never_match_and_empty_golds_are_refused_at_reset(empty):
+    assert is_empty_math_answer(empty)
+    for prediction in ("", ".", "$", "x =", "\\boxed{}", empty):
+        assert not math_answers_match(prediction, empty)
+    with pytest.raises(ValueError, match="gsm8k/t0"):
+        MathEnvironment("gsm8k").reset(math_prompt(empty))
+
+
+@pytest.mark.parametrize("answer", ["0", "x", "\\frac{1}{2}", "-", "(1,2)"])
+def test_answers_with_a_number_or_a_symbol_are_not_empty(answer):
+    assert not is_empty_math_answer(answer)
+    MathEnvironment("gsm8k").reset(math_prompt(answer))
 
 
 @needs_data

@@ -11,7 +11,7 @@ from trace.data import DataError, load_prompts, make_task_environment
 from trace.envs.answers import answer_f1, normalize_answer, parse_action, ParsedAction, ActionError, qa_scores
 from trace.envs.base import EpisodeFinishedError, Prompt
 from trace.envs.qa import (ContextBM25Retriever, CorpusBM25Retriever, HttpRetriever, Passage, QAEnvironment,
-                           RetrieverError, load_passages)
+                           RetrieverError, gold_aliases, load_passages)
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 needs_data = pytest.mark.skipif(not SHARED_DATA.is_dir(), reason=f"offline data folder {SHARED_DATA} not present")
@@ -119,6 +119,39 @@ def test_f1_hand_worked():
     assert answer_f1("yes", "no") == 0.0
     assert answer_f1("no", "no") == 1.0
     assert answer_f1("yes it is", "yes") == 0.0  # HotpotQA: yes/no answers score only exactly
+
+
+@pytest.mark.parametrize("prediction,golds", [
+    ("", [""]),  # no answer against no answer
+    ("a", ["The"]),  # both normalise to ""
+    (".", ["The", "Tulsa"]),
+    ("the", [")", "---"]),
+    ("", ["Tulsa"]),
+])
+def test_answers_that_normalise_to_nothing_never_score(prediction, golds):
+    assert qa_scores(prediction, golds) == (0.0, 0.0)
+
+
+def test_an_empty_alias_is_skipped_and_the_others_still_score():
+    assert qa_scores("Tulsa", ["The", "Tulsa"]) == (1.0, 1.0)
+    assert gold_aliases(["The", " ", "Tulsa", ")"]) == ["Tulsa"]
+    assert gold_aliases("A") == []
+
+
+def test_finish_with_punctuation_or_an_article_does_not_match_an_empty_alias():
+    env = QAEnvironment("nq", ContextBM25Retriever())
+    state, _ = env.reset(Prompt("nq", "0", "Who?", ["The", "Tulsa"], {"context": [["T", "Tulsa is a city."]]}))
+    for text in ("Action: finish[.]", "Action: finish[a]", "Action: finish[The]"):
+        result = env.step(state, text)
+        assert result.terminated and result.reward == 0.0 and result.info["em"] == 0.0, text
+    assert env.step(state, "Action: finish[tulsa]").reward == 1.0
+    assert env.solve(Prompt("nq", "0", "Who?", ["The", "Tulsa"]))[-1].endswith("finish[Tulsa]")
+
+
+def test_a_prompt_whose_every_alias_normalises_to_nothing_is_refused_at_reset():
+    env = QAEnvironment("nq", ContextBM25Retriever())
+    with pytest.raises(ValueError, match=r"nq/7.*'The'"):
+        env.reset(Prompt("nq", "7", "Which article?", ["The", "."]))
 
 
 @needs_data

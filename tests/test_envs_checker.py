@@ -209,3 +209,19 @@ def test_registry_reports_a_module_without_the_factory(monkeypatch):
     monkeypatch.setitem(registry.REAL_DATA_MODULES, TaskName.BFCL, "trace.envs.base")
     with pytest.raises(ImportError, match=r"trace.envs.base has no from_task_config"):
         make_environment(TaskConfig(name="bfcl"), seed=0)
+
+
+class RewardsUpToTwo(ToyEnv):
+    """Declares rewards in [0, 2] and pays 1.5 on a correct finish."""
+
+    reward_range = (0.0, 2.0)
+
+    def step(self, state, action_text):
+        result = super().step(state, action_text)
+        return replace(result, reward=1.5) if result.terminated and result.reward == 1.0 else result
+
+
+def test_checker_reads_the_environments_declared_reward_range():
+    check_environment(RewardsUpToTwo(), PROMPTS, num_random_episodes=10)
+    with pytest.raises(EnvironmentCheckError, match=r"reward 1.5 is outside \[0, 1\]"):
+        check_environment(RewardAboveOne(), PROMPTS, num_random_episodes=10)

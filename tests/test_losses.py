@@ -204,3 +204,117 @@ def test_sft_loss_is_cross_entropy_on_masked_tokens_only():
     # with the whole batch's count (3 + 2 = 5 tokens) as normaliser, the two rows add up
     halves = [sft_loss(logits[b:b + 1], labels[b:b + 1], loss_mask[b:b + 1], num_tokens=5) for b in range(2)]
     assert (halves[0] + halves[1]).item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+# ---- positions off the mask ------------------------------------------------------------------------------
+def _plain_product_losses(logprobs, old_logprobs, advantages, ref_logprobs, loss_mask, num_tokens, kl_coef):
+    """The losses written as plain ``value * mask`` products (no guard): the reference for finite inputs."""
+    mask = loss_mask.to(logprobs.dtype)
+    denom = float(max(num_tokens, 1))
+    log_ratio = (logprobs - old_logprobs).clamp(-20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(0.8, 1.2)
+    per_token = torch.maximum(unclipped, clipped)
+    policy = (per_token * mask).sum() / denom
+    with torch.no_grad():
+        clip_frac = ((clipped > unclipped).to(per_token.dtype) * mask).sum() / denom
+        approx_kl = (((ratio - 1.0) - log_ratio) * mask).sum() / denom
+    kl_log_ratio = (ref_logprobs - logprobs).clamp(-20.0, 20.0)
+    kl = ((torch.exp(kl_log_ratio) - kl_log_ratio - 1.0) * mask).sum() / denom
+    return policy + kl_coef * kl, {"losses/policy": policy.detach(), "losses/clip_frac": clip_frac,
+                                   "losses/approx_kl": approx_kl, "losses/kl": kl.detach()}
+
+
+def _guarded_losses(logprobs, old_logprobs, advantages, ref_logprobs, loss_mask, num_tokens, kl_coef):
+    loss, metrics = clipped_surrogate_loss(logprobs, old_logprobs, advantages, loss_mask, num_tokens=num_tokens)
+    kl_loss, kl_metrics = kl_penalty_loss(logprobs, ref_logprobs, loss_mask, kl_coef=kl_coef, num_tokens=num_tokens)
+    return loss + kl_loss, {**metrics, **kl_metrics}
+
+
+def _tiny_lm():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(Qwen3Config(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                        max_position_embeddings=32))
+
+
+def _loss_and_gradients(model, loss_fn, input_ids, old_logprobs, advantages, ref_logprobs, loss_mask,
+                        logprob_offset=None):
+    """Loss, metrics and parameter gradients of ``loss_fn`` on the model's log-probs of ``input_ids``."""
+    model.zero_grad()
+    logprobs = token_logprobs(model(input_ids=input_ids).logits, input_ids)
+    if logprob_offset is not None:
+        logprobs = logprobs + logprob_offset
+    loss, metrics = loss_fn(logprobs, old_logprobs, advantages, ref_logprobs, loss_mask, int(loss_mask.sum()), 0.1)
+    loss.backward()
+    return loss.detach(), metrics, {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def _lm_inputs(seed: int, zero_advantages: bool = False):
+    gen = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, 16, (3, 9), generator=gen)
+    loss_mask = (torch.rand(3, 9, generator=gen) < 0.6).float()
+    loss_mask[:, 0] = 0.0
+    old_logprobs = -torch.rand(3, 9, generator=gen) * 4  # arbitrary finite values on and off the mask
+    ref_logprobs = -torch.rand(3, 9, generator=gen) * 4
+    advantages = torch.zeros(3, 9) if zero_advantages else torch.randn(3, 9, generator=gen) * loss_mask
+    return input_ids, old_logprobs, advantages, ref_logprobs, loss_mask
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality of float32 tensors (tells -0.0 from 0.0, unlike ==)."""
+    return a.dtype == b.dtype == torch.float32 and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("seed,zero_advantages", [(0, False), (1, False), (2, True)])
+def test_finite_inputs_give_bit_identical_losses_metrics_and_gradients_to_the_plain_masked_product(
+        seed, zero_advantages):
+    # zero advantages make every per-token loss -0.0: the sign of the zero loss must survive too
+    model = _tiny_lm()
+    inputs = _lm_inputs(seed, zero_advantages)
+    want_loss, want_metrics, want_grads = _loss_and_gradients(model, _plain_product_losses, *inputs)
+    got_loss, got_metrics, got_grads = _loss_and_gradients(model, _guarded_losses, *inputs)
+    assert _same_bits(got_loss, want_loss)
+    assert set(got_metrics) == set(want_metrics)
+    for name in want_metrics:
+        assert _same_bits(got_metrics[name], want_metrics[name]), name
+    for name in want_grads:
+        assert _same_bits(got_grads[name], want_grads[name]), name
+    assert any(g.abs().sum() > 0 for g in got_grads.values())
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("poisoned_input", ["old_logprobs", "advantages", "ref_logprobs", "logprobs"])
+def test_non_finite_values_off_the_mask_change_neither_the_loss_nor_its_gradients(poisoned_input, poison):
+    # one input at a time: a NaN log-ratio is stopped by the clamp's backward, which would hide a NaN advantage
+    model = _tiny_lm()
+    input_ids, old_logprobs, advantages, ref_logprobs, loss_mask = _lm_inputs(3)
+    off = loss_mask == 0
+    assert off.any() and (~off).any()
+    clean_loss, clean_metrics, clean_grads = _loss_and_gradients(
+        model, _guarded_losses, input_ids, old_logprobs, advantages, ref_logprobs, loss_mask)
+    inputs = {"old_logprobs": old_logprobs, "advantages": advantages, "ref_logprobs": ref_logprobs,
+              "logprobs": torch.zeros_like(old_logprobs)}  # the current policy's, poisoned through an offset
+    inputs[poisoned_input] = torch.where(off, torch.full_like(old_logprobs, poison), inputs[poisoned_input])
+    loss, metrics, grads = _loss_and_gradients(
+        model, _guarded_losses, input_ids, inputs["old_logprobs"], inputs["advantages"], inputs["ref_logprobs"],
+        loss_mask, logprob_offset=inputs["logprobs"])
+    assert torch.isfinite(loss) and loss == clean_loss
+    for name, value in clean_metrics.items():
+        assert metrics[name] == value, name
+    for name, value in clean_grads.items():
+        assert torch.isfinite(grads[name]).all(), name
+        assert torch.equal(grads[name], value), name
+
+
+def test_token_mean_ignores_non_finite_values_off_the_mask_but_not_on_it():
+    values = torch.tensor([[1.0, float("nan"), 3.0, float("inf")]], requires_grad=True)
+    mask = torch.tensor([[1.0, 0.0, 1.0, 0.0]])
+    mean = token_mean(values, mask)
+    mean.backward()
+    assert mean.item() == 2.0
+    assert values.grad.tolist() == [[0.5, 0.0, 0.5, 0.0]]
+    assert math.isnan(token_mean(values.detach(), torch.ones(1, 4)).item())  # a trained NaN is not hidden

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from tests.test_advantages import leaves_under, make_tree, reward_of, tree_batches
+from tests.test_advantages import empty_leaf, leaves_under, make_tree, reward_of, tree_batches, without_empty_leaves
 from trace.metrics import (
     ROLLOUT_METRIC_KEYS,
     active_prompt_ratio,
@@ -84,6 +84,20 @@ def test_rollout_metrics_keys_and_hand_values():
     assert out["rollout/prompts"] == 3
 
 
+def test_an_empty_leaf_is_in_no_group_but_counts_as_sampled():
+    # prompt a: rewards [1, 0, 0] with the rewarded leaf empty -> its group is [0, 0], not mixed;
+    # prompt b: [1, 0], mixed. Effective: b's 2 of 5 sampled leaves, and b's 6 of the 12 generated tokens.
+    a, ids = make_tree([(0,), (1,), (2,)], [1.0, 0.0, 0.0], prompt_uid="kgqa/a", tree_id="a")
+    empty_leaf(a, ids[(0,)])
+    b, _ = make_tree([(0,), (1,)], [1.0, 0.0], prompt_uid="kgqa/b", tree_id="b")
+    assert effective_ratio([a, b]) == pytest.approx(2 / 5)
+    assert [f.tolist() for f in effective_leaves([a, b])] == [[False] * 3, [True] * 2]
+    assert effective_token_ratio([a, b]) == pytest.approx(6 / 12)
+    assert mixed_group_ratio([a, b]) == pytest.approx(1 / 2)
+    assert active_prompt_ratio([a, b]) == pytest.approx(1 / 2)
+    assert rollout_metrics([a, b])["rollout/trajectories"] == 5.0
+
+
 def test_metrics_of_an_empty_step_are_zero():
     out = rollout_metrics([])
     assert all(v == 0.0 for v in out.values())
@@ -109,3 +123,12 @@ def slow_effective_ratio(trees):
 def test_effective_ratio_matches_slow_reference(trees):
     assert effective_ratio(trees) == pytest.approx(slow_effective_ratio(trees))
     assert 0.0 <= effective_token_ratio(trees) <= 1.0
+
+
+@settings(max_examples=40, deadline=None)
+@given(trees=tree_batches(with_empty_leaves=True))
+def test_effective_leaves_with_empty_leaves_are_those_of_the_trees_without_them(trees):
+    pruned, _ = without_empty_leaves(trees)
+    num_sampled = sum(len(tree.leaves()) for tree in trees)
+    num_effective = slow_effective_ratio(pruned) * sum(len(tree.leaves()) for tree in pruned)
+    assert effective_ratio(trees) * num_sampled == pytest.approx(num_effective)

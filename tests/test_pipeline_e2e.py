@@ -5,7 +5,9 @@ One local Prefect server (127.0.0.1, free port) serves every stage of the sessio
 
 import os
 import shutil
+import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -33,6 +35,7 @@ def _env(project: Path, api_url: str) -> dict:
     # inheriting MASTER_PORT would try to listen on a port the test process still holds
     env = {k: v for k, v in os.environ.items()
            if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env.pop("DVC_ROOT", None)
     env.update({"PREFECT_API_URL": api_url, "PREFECT_HOME": str(project / ".prefect"),
                 "MLFLOW_TRACKING_URI": f"sqlite:///{project / 'mlflow.db'}", "PYTHONPATH": str(project),
                 "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}", "DO_NOT_TRACK": "1"})
@@ -46,6 +49,10 @@ def project(tmp_path_factory):
     shutil.copytree(ROOT, dst, ignore=lambda d, names: [n for n in names if n in _SKIP or n.endswith(".db")])
     shutil.copy(ROOT / "tests" / "params_tiny.yaml", dst / "params.yaml")
     subprocess.run(["git", "init", "-q"], cwd=dst, check=True)
+    # a first commit: experiments (dvc exp run) are based on one
+    subprocess.run(["git", "add", "-A"], cwd=dst, check=True)
+    subprocess.run(["git", "-c", "user.name=trace", "-c", "user.email=trace@localhost", "commit", "-qm", "tiny"],
+                   cwd=dst, check=True)
     port = _free_port()
     env = _env(dst, f"http://127.0.0.1:{port}/api")
     out = subprocess.run([sys.executable, "-m", "flows.server", "ensure", "--port", str(port)], cwd=dst, env=env,
@@ -83,14 +90,110 @@ def test_pipeline_runs_end_to_end_then_caches_and_reruns_only_downstream_of_a_ch
     assert again.returncode == 0
     assert "Running stage" not in again.stdout, again.stdout
 
-    params = (project_dir / "params.yaml").read_text().replace("update: {micro_batch_size: 16, zero_stage: 0}",
-                                                               "update: {micro_batch_size: 16, zero_stage: 0, lr: 0.0002}")
-    (project_dir / "params.yaml").write_text(params)
+    params = (project_dir / "params.yaml").read_text()
+    assert "update: {micro_batch_size: 16," in params
+    (project_dir / "params.yaml").write_text(params.replace("update: {micro_batch_size: 16,",
+                                                            "update: {micro_batch_size: 16, lr: 0.0002,"))
     status = _dvc(project_dir, env, "status")
     changed = status.stdout
     assert "train@trace" in changed and "train@grpo" in changed
     for upstream in ("prepare:", "warmup:", "seed_rollouts:", "fit_predictor:"):
         assert upstream not in changed, changed
+
+
+def test_bytecode_written_next_to_the_code_deps_keeps_the_pipeline_up_to_date(project):
+    project_dir, env = project
+    subprocess.run(["git", "checkout", "params.yaml"], cwd=project_dir, check=True)  # undo an earlier -S edit
+    repro = _dvc(project_dir, env, "repro")
+    assert repro.returncode == 0, repro.stdout[-4000:] + repro.stderr[-4000:]
+    compiled = subprocess.run([sys.executable, "-m", "compileall", "-q", "trace", "flows"], cwd=project_dir, env=env)
+    assert compiled.returncode == 0
+    (project_dir / "trace" / "policy" / "__pycache__" / "stray.cpython-311.opt-1.pyc").write_bytes(b"\0")
+    assert any((project_dir / "trace" / "envs" / "__pycache__").iterdir())
+    status = _dvc(project_dir, env, "status")
+    assert status.returncode == 0 and "up to date" in status.stdout, status.stdout
+
+
+def _store_dirs(project_dir: Path, ablation: str) -> set[Path]:
+    return set((project_dir / "data" / "checkpoints" / ablation).glob("*-*"))
+
+
+def _step_history(project_dir: Path, resume_hash: str, ablation: str) -> list[int]:
+    """Steps of ``tokens/cumulative`` in the newest train run of ``ablation`` with that resume hash."""
+    with sqlite3.connect(project_dir / "mlflow.db") as db:
+        run_id = db.execute(
+            "select r.run_uuid from runs r join tags a on a.run_uuid = r.run_uuid and a.key = 'trace.ablation' "
+            "join tags h on h.run_uuid = r.run_uuid and h.key = 'trace.params_hash' "
+            "join tags s on s.run_uuid = r.run_uuid and s.key = 'trace.stage' "
+            "where a.value = ? and h.value = ? and s.value = 'train' order by r.start_time desc limit 1",
+            (ablation, resume_hash)).fetchone()[0]
+        return sorted(row[0] for row in db.execute(
+            "select step from metrics where run_uuid = ? and key = 'tokens/cumulative'", (run_id,)))
+
+
+def _without_times(data: dict) -> dict:
+    return {k: v for k, v in data.items() if "time/" not in k}
+
+
+def test_a_killed_dvc_exp_run_resumes_training_and_records_the_experiment(project):
+    """SIGKILL during train@dapo after its step-2 checkpoint; the same `dvc exp run` again resumes at step 2
+    (though DVC restores the stage's outputs from dvc.lock first) and ends as an uninterrupted run does."""
+    from trace.config import load_config
+    from trace.tree_io import tree_path
+
+    project_dir, env = project
+    args = ("exp", "run", "-S", "advantages.clip=4.0", "-S", "train.num_steps=5")  # checkpoints at steps 2, 4, 5
+    before = _store_dirs(project_dir, "dapo")
+    with open(project_dir / "killed.log", "w") as log:
+        proc = subprocess.Popen([str(BIN / "dvc"), *args], cwd=project_dir, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 900
+    marker = None
+    while proc.poll() is None and time.time() < deadline and marker is None:
+        time.sleep(0.05)
+        for folder in _store_dirs(project_dir, "dapo") - before:
+            if tree_path(folder / "trees", "dapo", 2).exists():  # step 2 ran, checkpoint 2 saved, 4 not yet
+                marker = folder
+    assert marker is not None and proc.poll() is None, (project_dir / "killed.log").read_text()[-4000:]
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+    again = _dvc(project_dir, env, *args)
+    assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-4000:]
+    assert "resuming dapo at step 2" in again.stdout, again.stdout[-4000:]
+    cfg = load_config(project_dir / "params.yaml")
+    assert cfg.advantages.clip == 4.0 and cfg.train.num_steps == 5
+    assert _step_history(project_dir, cfg.resume_hash(), "dapo") == [0, 1, 2, 3, 4]  # each step logged once
+    resumed_summary = json.loads((project_dir / "data" / "runs" / "dapo" / "summary.json").read_text())
+    resumed_metrics = json.loads((project_dir / "metrics" / "ablations" / "dapo.json").read_text())
+
+    shown = _dvc(project_dir, env, "exp", "show", "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert "metrics/ablations/dapo.json" in shown.stdout and "accuracy/greedy" in shown.stdout
+
+    # the same params uninterrupted, from an empty checkpoint folder
+    shutil.rmtree(marker)
+    for stage in ("train", "evaluate"):
+        out = subprocess.run([sys.executable, "-m", f"flows.{stage}", "--ablation", "dapo"], cwd=project_dir,
+                             env=env, capture_output=True, text=True, timeout=900)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        assert "resuming" not in out.stdout
+    fresh_summary = json.loads((project_dir / "data" / "runs" / "dapo" / "summary.json").read_text())
+    assert _without_times(resumed_summary) == _without_times(fresh_summary)
+    assert resumed_metrics == json.loads((project_dir / "metrics" / "ablations" / "dapo.json").read_text())
+
+
+def test_a_bad_param_stops_dvc_exp_run_at_the_check_before_any_other_stage(project):
+    project_dir, env = project
+    subprocess.run(["git", "checkout", "params.yaml"], cwd=project_dir, check=True)
+    out = _dvc(project_dir, env, "exp", "run", "-S", "allocation.trajectory_budget=-5", timeout=300)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert "allocation.trajectory_budget = -5" in text and "greater than or equal to 2" in text
+    assert "git checkout params.yaml" in text and "Traceback" not in text
+    assert [line for line in text.splitlines() if line.startswith("Running stage")] == \
+        ["Running stage 'check_params':"]
+    subprocess.run(["git", "checkout", "params.yaml"], cwd=project_dir, check=True)
 
 
 def test_schedule_is_registered_and_a_scheduled_run_appears(project):

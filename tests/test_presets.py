@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from trace.config import load_config
+from trace.config import load_config, read_params_file
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
@@ -90,9 +90,7 @@ def _dvc_param_keys() -> set[str]:
 @pytest.mark.parametrize("path", [ROOT / "params.yaml", ROOT / "tests" / "params_tiny.yaml", *PRESETS],
                          ids=lambda p: p.name if p.parent.name != "params" else f"params/{p.name}")
 def test_every_params_file_holds_every_key_the_dvc_stages_read(path):
-    import yaml
-
-    data = yaml.safe_load(path.read_text())
+    data = read_params_file(path)
     missing = []
     for key in sorted(_dvc_param_keys()):
         node = data
@@ -121,7 +119,7 @@ def test_hotpotqa_preset_runs_every_dvc_stage_with_smollm2(tmp_path):
     _require_smollm2_and_shared_data()
     project = tmp_path / "trace"
     shutil.copytree(ROOT, project, ignore=lambda d, names: [n for n in names if n in _SKIP or n.endswith(".db")])
-    params = yaml.safe_load((ROOT / "params" / "hotpotqa.yaml").read_text())
+    params = read_params_file(ROOT / "params" / "hotpotqa.yaml")
     params["task"]["files"].update(train_path=str((ROOT / DEFAULT_FILES["hotpotqa"]["train_path"]).resolve()),
                                    max_train=8, max_eval=4)
     params["task"]["max_turns"] = 2

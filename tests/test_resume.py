@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from trace.tree_io import tree_path
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
@@ -60,10 +62,12 @@ def _run(run_dir: Path, steps: int, env: dict) -> subprocess.Popen:
 
 
 def _tree_digest(run_dir: Path) -> str:
-    h = hashlib.sha256()
-    for path in sorted((run_dir / "trees").rglob("trees.parquet")):
-        from trace.tree_io import read_trees
+    from trace.tree_io import read_trees, tree_files
 
+    h = hashlib.sha256()
+    paths = [path for _, _, path in tree_files(run_dir / "trees")]
+    assert paths, f"no tree files under {run_dir / 'trees'}"
+    for path in paths:
         for tree in read_trees(path):
             for node in tree.nodes:
                 h.update(repr((tree.tree_id, node.node_id, node.token_ids, node.reward, node.advantage)).encode())
@@ -79,7 +83,7 @@ def test_killed_run_resumes_and_matches_an_uninterrupted_run(tmp_path):
 
     killed_dir = tmp_path / "killed"
     proc = _run(killed_dir, steps, env)
-    marker = killed_dir / "trees" / "ablation=trace" / "step=000002" / "trees.parquet"
+    marker = tree_path(killed_dir / "trees", "trace", 2)
     deadline = time.time() + 600
     while not marker.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
@@ -99,17 +103,17 @@ def test_killed_run_resumes_and_matches_an_uninterrupted_run(tmp_path):
 
 def test_resuming_a_finished_run_runs_no_extra_step_and_a_longer_run_only_the_remaining(tmp_path):
     env = clean_env()
-    steps_dir = tmp_path / "r" / "trees" / "ablation=trace"
+    steps_dir = tree_path(tmp_path / "r" / "trees", "trace", 0).parent
     first = _run(tmp_path / "r", 2, env)
     out, _ = first.communicate(timeout=600)
     assert first.returncode == 0, out[-3000:]
     again = _run(tmp_path / "r", 2, env)
     out, _ = again.communicate(timeout=600)
     assert again.returncode == 0 and "START 2" in out
-    assert sorted(p.name for p in steps_dir.iterdir()) == ["step=000000", "step=000001"]
+    assert sorted(p.name for p in steps_dir.iterdir()) == [tree_path("", "trace", i).name for i in range(2)]
     longer = _run(tmp_path / "r", 4, env)  # the same run extended: only steps 2 and 3 run
     out, _ = longer.communicate(timeout=600)
     assert longer.returncode == 0 and "START 2" in out, out[-3000:]
-    assert sorted(p.name for p in steps_dir.iterdir()) == [f"step={i:06d}" for i in range(4)]
+    assert sorted(p.name for p in steps_dir.iterdir()) == [tree_path("", "trace", i).name for i in range(4)]
 
 

@@ -12,7 +12,7 @@ from trace.envs.kgqa import KGQAEnvironment
 from trace.policy.backends import HFBackend, continuation_logprobs
 from trace.policy.model import build_tiny_policy
 from trace.rollout import SamplingSpec, expand_prefixes, rollout_roots, trajectory_from_actions
-from trace.tree import FinishReason, Origin
+from trace.tree import FinishReason, Origin, RewardError
 
 MARKER = "Observation:"
 
@@ -119,12 +119,15 @@ def test_turns_stop_at_the_marker_and_only_the_environment_writes_observations(p
             assert gen[-1] in (marker_id, eos_id)
             if not tree.children()[node.node_id] and node.finish_reason != FinishReason.NONE:
                 assert obs == []  # terminal turn: no observation
+                if gen[-1] == eos_id:  # EOS ends the episode, answer or not
+                    assert node.finish_reason == FinishReason.TERMINATED and node.env_state.done
                 continue
-            # the observation is the environment's answer to the action text, marker inserted after an EOS
+            # an inner turn ended at the marker (an EOS would have ended the episode); the observation is the
+            # environment's answer to the action text, without a second marker
+            assert gen[-1] == marker_id
             assert node.observation_text == env.observation_for(node.action_text)
             expected = policy.format.observation_text(node.action_text, node.observation_text)
-            assert obs == policy.tokenizer(expected, add_special_tokens=False)["input_ids"]
-            assert (obs[0] == marker_id) == (gen[-1] == eos_id)
+            assert obs == policy.tokenizer(expected, add_special_tokens=False)["input_ids"] and obs[0] != marker_id
             assert node.env_state.data[-1] == node.action_text and node.num_tool_calls == 1
 
 
@@ -172,7 +175,8 @@ def test_a_turn_that_reaches_max_new_tokens_truncates_as_max_tokens(policy):
 
 
 def test_the_turn_limit_truncates_as_max_turns_at_that_depth(policy):
-    trees = rollout_roots(policy, TallyEnv(max_turns=2), PROMPTS[:1], [24], SamplingSpec(max_new_tokens=12, seed=2))
+    # 64 trajectories: a turn ended by EOS ends its episode, so few of a random policy's reach the limit
+    trees = rollout_roots(policy, TallyEnv(max_turns=2), PROMPTS[:1], [64], SamplingSpec(max_new_tokens=12, seed=2))
     tree = trees[0]
     truncated = [leaf for leaf in tree.leaves() if leaf.finish_reason == FinishReason.MAX_TURNS]
     assert truncated and all(tree.depth(leaf.node_id) == 2 and leaf.reward == 0.0 for leaf in truncated)
@@ -269,6 +273,61 @@ def test_an_eos_that_doubles_as_pad_is_still_trained_at_the_end_of_a_turn():
         assert node.loss_mask[len(gen) - 1] == 1 and node.logprobs[len(gen) - 1] < 0
 
 
+class ForcedNextWord:
+    """Forward hook that makes a real model pick a scripted next word after given words (+1e4 on its logit).
+
+    Rows whose last input word is not in ``script`` keep the model's own distribution.
+    """
+
+    def __init__(self, tokenizer, script: dict[str, str]):
+        ids = lambda word: tokenizer.convert_tokens_to_ids(word)  # noqa: E731
+        self.script = {ids(after): ids(word) for after, word in script.items()}
+
+    def __call__(self, module, args, kwargs, output):
+        last_words = kwargs["input_ids"][:, -1].tolist()
+        for row, last in enumerate(last_words):
+            if last in self.script:
+                output.logits[row, -1, self.script[last]] += 1e4
+        return output
+
+
+@pytest.fixture
+def scripted_policy():
+    """The tiny tally policy, with EOS forced right after ``add`` (a tool call) and after ``done yes``."""
+    policy = build_tiny_policy(TINY, TallyEnv.words, seed=0)
+    script = {"one": "add", "add": policy.tokenizer.eos_token, "two": "done", "done": "yes",
+              "yes": policy.tokenizer.eos_token}
+    handle = policy.model.register_forward_hook(ForcedNextWord(policy.tokenizer, script), with_kwargs=True)
+    yield policy
+    handle.remove()
+
+
+def test_eos_after_a_tool_call_ends_the_episode_as_terminated_with_reward_zero(scripted_policy):
+    policy, env = scripted_policy, TallyEnv(max_turns=3)
+    eos_id, add_id = policy.tokenizer.eos_token_id, policy.tokenizer.convert_tokens_to_ids("add")
+    prompt = Prompt("tally", "eos", "tally : one")  # the policy answers "add [EOS]": a tool call, then EOS
+    trees = rollout_roots(policy, env, [prompt], [3], SamplingSpec(max_new_tokens=12, seed=0))
+    added = expand_prefixes(policy, env, trees, {(0, 0): 2}, SamplingSpec(max_new_tokens=12, seed=1))
+    tree = trees[0]
+    assert added == 2 and len(tree.leaves()) == 5
+    for leaf in tree.leaves():
+        # one turn, no observation after the EOS, and generation did not resume past it
+        assert tree.depth(leaf.node_id) == 1 and leaf.parent_id == 0
+        assert leaf.token_ids == [add_id, eos_id] and leaf.loss_mask == [1, 1]  # the stop is trained
+        assert (leaf.finish_reason, leaf.reward) == (FinishReason.TERMINATED, 0.0)
+        assert leaf.observation_text == "" and leaf.env_state.done and leaf.num_tool_calls == 1
+    assert [action for _, action in env.calls] == ["add"] * 5  # the environment read each action once
+
+
+def test_eos_after_a_final_answer_keeps_the_verifiers_reward(scripted_policy):
+    policy, env = scripted_policy, TallyEnv(max_turns=3)
+    prompt = Prompt("tally", "answer", "tally : two")  # the policy answers "done yes [EOS]"
+    tree = rollout_roots(policy, env, [prompt], [2], SamplingSpec(max_new_tokens=12, seed=0))[0]
+    for leaf in tree.leaves():
+        assert tree.depth(leaf.node_id) == 1 and leaf.action_text == "done yes"
+        assert (leaf.finish_reason, leaf.reward, leaf.num_generated_tokens) == (FinishReason.TERMINATED, 1.0, 3)
+
+
 def test_a_marker_mismatch_between_policy_and_environment_is_an_error(policy):
     env = TallyEnv()
     env.observation_marker = "Result:"
@@ -331,3 +390,34 @@ def test_kgqa_rollouts_and_branches_build_consistent_trees(kgqa):
             assert tree.depth(leaf.node_id) <= kgqa.max_turns
     assert expand_prefixes(policy, kgqa, trees, {(0, 0): 2, (3, 0): 1}, SamplingSpec(max_new_tokens=8, seed=1)) == 3
     assert trees[0].num_trajectories() == 5 and trees[3].num_trajectories() == 4
+
+
+class PaysOutOfRange(TallyEnv):
+    """A verifier that pays ``payout`` for every finished episode, whatever its range says."""
+
+    def __init__(self, payout):
+        super().__init__()
+        self.payout = payout
+
+    def step(self, state, action_text):
+        result = super().step(state, action_text)
+        return replace(result, reward=self.payout) if result.terminated else result
+
+
+@pytest.mark.parametrize("payout, message", [(5.0, r"outside the environment's reward_range \[0.0, 1.0\]"),
+                                             (-1.0, r"outside the environment's reward_range"),
+                                             ("1", r"is not a number"),
+                                             (float("nan"), r"not finite")])
+def test_a_reward_outside_the_verifiers_range_stops_the_rollout_naming_tree_and_node(policy, payout, message):
+    with pytest.raises(RewardError, match=r"tree 'trace/3/tally/0' node \d+: reward .*" + message):
+        rollout_roots(policy, PaysOutOfRange(payout), PROMPTS[:1], [32], SamplingSpec(max_new_tokens=12, seed=0),
+                      step=3, ablation="trace")
+    with pytest.raises(RewardError, match=message):
+        trajectory_from_actions(policy, PaysOutOfRange(payout), PROMPTS[0], ["done yes"])
+
+
+def test_a_declared_reward_range_admits_rewards_inside_it(policy):
+    env = PaysOutOfRange(5.0)
+    env.reward_range = (0.0, 5.0)
+    tree = trajectory_from_actions(policy, env, PROMPTS[0], ["done yes"])
+    assert [leaf.reward for leaf in tree.leaves()] == [5.0]

@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from trace.tree import FinishReason, Origin, RolloutTree, make_prompt_uid
+from trace.tree import (FinishReason, Origin, RewardError, RolloutTree, check_tree_rewards, checked_reward,
+                        make_prompt_uid)
 
 
 def small_tree() -> RolloutTree:
@@ -53,3 +54,41 @@ def test_prompt_uids_from_two_sources_never_collide():
     assert make_prompt_uid("hotpotqa", "7") != make_prompt_uid("gsm8k", "7")
     with pytest.raises(ValueError):
         make_prompt_uid("a/b", "1")
+
+
+@pytest.mark.parametrize("reward", [5, -1, 1.0000001, -0.0001])
+def test_a_reward_outside_the_declared_range_is_refused_naming_tree_and_node(reward):
+    with pytest.raises(RewardError, match=r"tree t node 4: reward .* outside the environment's reward_range \[0.0, 1"):
+        checked_reward(reward, "tree t node 4", (0.0, 1.0))
+
+
+@pytest.mark.parametrize("reward", ["1", True, None, [1.0], float("nan"), float("inf"), -float("inf")])
+def test_a_reward_that_is_not_a_finite_number_is_refused(reward):
+    with pytest.raises(RewardError, match="tree t node 4"):
+        checked_reward(reward, "tree t node 4", (0.0, 1.0))
+    with pytest.raises(RewardError, match="tree t node 4"):
+        checked_reward(reward, "tree t node 4")  # no range: type and finiteness still checked
+
+
+def test_rewards_in_range_come_back_as_python_floats():
+    values = [checked_reward(r, "x", (0.0, 1.0)) for r in (0, 1, 0.5, np.float32(0.25), np.int64(1))]
+    assert values == [0.0, 1.0, 0.5, 0.25, 1.0] and all(type(v) is float for v in values)
+    assert checked_reward(-1.0, "x", (-1.0, 1.0)) == -1.0  # a shaped verifier declares its own range
+    assert checked_reward(5, "x") == 5.0  # no range given: only type and finiteness
+
+
+@pytest.mark.parametrize("reward", ["1", float("nan"), True])
+def test_add_node_refuses_a_reward_that_is_not_a_finite_number(reward):
+    t = small_tree()
+    with pytest.raises(RewardError, match=r"tree x/0/kgqa/1 node 5"):
+        t.add_node(0, turn_idx=0, origin=Origin.ROLLOUT, reward=reward, finish_reason=FinishReason.TERMINATED)
+    assert len(t.nodes) == 5
+
+
+def test_check_tree_rewards_names_the_node_out_of_range():
+    t = small_tree()
+    check_tree_rewards(t, (0.0, 1.0))
+    t.nodes[3].reward = 5.0  # set behind add_node's back
+    with pytest.raises(RewardError, match=r"tree x/0/kgqa/1 node 3: reward 5.0"):
+        check_tree_rewards(t, (0.0, 1.0))
+    check_tree_rewards(t)  # 5.0 is finite: without a range it passes

@@ -239,8 +239,21 @@ def test_malformed_inputs_raise_with_the_offending_ids():
         build_training_batch([tree], pad_token_id=EOS)
     tree = branched_tree()
     tree.nodes[5].logprobs = [float("nan")]
-    with pytest.raises(ValueError, match=r"leaf 5: sampling logprob at token 5"):
+    with pytest.raises(ValueError, match=r"tree 'toy/branched' node 5: logprobs\[0\] = nan on a generated token"):
         build_training_batch([tree], pad_token_id=EOS)
+
+
+def test_a_non_finite_logprob_off_the_loss_mask_is_refused_too():
+    # n1's observation token (index 2) is context in every row; a NaN there must not slip into old_logprobs
+    for bad in (float("nan"), float("-inf")):
+        tree = branched_tree()
+        tree.nodes[1].logprobs = tree.nodes[1].logprobs[:2] + [bad]
+        with pytest.raises(ValueError, match=r"node 1: logprobs\[2\] = .* on a context \(prompt or observation\)"):
+            build_training_batch([tree], pad_token_id=EOS)
+    tree = branched_tree()
+    tree.nodes[0].logprobs = [0.0, float("inf")]  # the prompt
+    with pytest.raises(ValueError, match=r"node 0: logprobs\[1\] = inf"):
+        build_training_batch([tree], pad_token_id=EOS, require_advantages=False)
 
 
 def test_empty_input_gives_an_empty_batch():
@@ -452,3 +465,45 @@ def test_training_batch_moves_to_a_device_unchanged():
     moved = batch.to("cpu")
     assert isinstance(moved, TrainingBatch) and moved.num_tokens == batch.num_tokens
     assert torch.equal(moved.advantages, batch.advantages)
+
+
+def _nan_at_padding(module, args, kwargs, output):
+    """Forward hook: the logits of padding positions become NaN (a model is free to emit anything there)."""
+    output.logits[~kwargs["attention_mask"].bool()] = float("nan")
+    return output
+
+
+def with_a_short_row(trees: list[RolloutTree]) -> list[RolloutTree]:
+    """``trees`` plus a one-turn tree of 4 tokens, so its row has several padding positions (the logits of
+    a padding position feed the log-prob of the next one)."""
+    tree = new_tree("toy/short", [3, 4])
+    add_turn(tree, 0, [6, EOS], advantage=0.5)
+    return list(trees) + [tree]
+
+
+def test_compute_logprobs_is_zero_on_padding_whatever_the_model_emits_there(deepspeed_module, trees):
+    updater = PolicyUpdater(_tiny_policy(), UpdateConfig(micro_batch_size=8), pad_token_id=EOS)
+    batch = build_training_batch(with_a_short_row(trees), EOS)
+    assert int((batch.attention_mask == 0).sum(dim=1).max()) >= 2
+    clean = updater.compute_logprobs(batch)
+    handle = updater.module.register_forward_hook(_nan_at_padding, with_kwargs=True)
+    try:
+        poisoned = updater.compute_logprobs(batch)
+    finally:
+        handle.remove()
+    assert torch.equal(poisoned, clean) and (poisoned[batch.attention_mask == 0] == 0).all()
+
+
+def test_a_reference_policy_emitting_nan_on_padding_leaves_the_kl_update_unchanged(deepspeed_module, trees):
+    cfg = UpdateConfig(lr=1e-2, kl_coef=0.1, ppo_epochs=2, micro_batch_size=8)
+    clean = PolicyUpdater(_tiny_policy(), cfg, pad_token_id=EOS)
+    poisoned = PolicyUpdater(_tiny_policy(), cfg, pad_token_id=EOS)
+    poisoned.ref_model.register_forward_hook(_nan_at_padding, with_kwargs=True)
+    trees = with_a_short_row(trees)
+    assert int((build_training_batch(trees, EOS).attention_mask == 0).sum(dim=1).max()) >= 2
+    want, got = clean.rl_step(trees), poisoned.rl_step(trees)
+    for name in ("losses/policy", "losses/kl", "losses/clip_frac", "losses/approx_kl", "losses/grad_norm"):
+        assert math.isfinite(got[name]) and got[name] == want[name], name
+    assert want["losses/kl"] > 0  # the second epoch moved the policy away from its reference
+    for name, value in _params(clean).items():
+        assert torch.equal(_params(poisoned)[name], value), name

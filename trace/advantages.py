@@ -20,7 +20,14 @@ Conventions, fixed once here and tested:
   shaped rewards such as 0.2 must not turn into float noise divided by ``eps``);
 - ``clip`` (None = off) bounds ``|advantage|`` of each leaf row before rows are summed into nodes (one
   success among 93 rollouts has z = 92 / sqrt(93) = 9.54 unclipped);
-- a truncated leaf (``reward is None``) counts with reward 0, as ``RolloutTree.leaf_rewards`` does.
+- a truncated leaf (``reward is None``) counts with reward 0, as ``RolloutTree.leaf_rewards`` does;
+- an *empty* leaf, whose own turn generated nothing (``loss_mask`` all 0: ``Node.num_generated_tokens == 0``),
+  is left out as if it had not been sampled, by every estimator: it joins no prompt, anchor, sibling or
+  depth group and no whitening, its row's advantage is 0, and its ancestors get nothing from it (a node
+  with only empty leaves below carries 0; an anchor with one live child is no branch anchor). Its own
+  tokens train nothing, so it must not move its siblings' baseline either: rewards [1, 0, 0] with the
+  first leaf empty give the other two 0, not -0.577. The rollout engine never records such a leaf (every
+  turn holds at least one sampled token); hand-built or imported trees may.
 
 Estimators:
 - ``grpo``: z-score of each leaf reward within its prompt group (GRPO, arXiv 2402.03300).
@@ -72,20 +79,23 @@ class TreeBatch:
         parent: (G,) int64 global parent id, -1 at roots.
         num_children: (G,) int64.
         leaf: (L,) int64 global id of each leaf, tree by tree, in node-id order.
+        leaf_is_empty: (L,) bool, the leaf's own turn has no generated token (``loss_mask`` all 0): it is in
+            no group and no pair below (see the module docstring).
         leaf_reward: (L,) float64 leaf rewards (truncated leaves, ``None``, count as 0).
         leaf_prompt: (L,) int64 prompt-group index of each leaf (by ``prompt_uid``).
         prompt_uids: the prompt uids, indexed by prompt-group index (first-seen order).
         node_prompt: (G,) int64 prompt-group index of each node's tree.
-        pair_leaf: (P,) int64 leaf index (into ``leaf``) of each (leaf, strict ancestor) pair.
+        pair_leaf: (P,) int64 leaf index (into ``leaf``) of each (non-empty leaf, strict ancestor) pair.
         pair_node: (P,) int64 global id of the ancestor (roots included).
-        subtree_leaves: (G,) int64 leaves at or below each node.
-        subtree_reward: (G,) float64 summed leaf reward at or below each node.
+        subtree_leaves: (G,) int64 non-empty leaves at or below each node.
+        subtree_reward: (G,) float64 summed reward of the non-empty leaves at or below each node.
     """
 
     offsets: np.ndarray
     parent: np.ndarray
     num_children: np.ndarray
     leaf: np.ndarray
+    leaf_is_empty: np.ndarray
     leaf_reward: np.ndarray
     leaf_prompt: np.ndarray
     prompt_uids: list
@@ -107,6 +117,7 @@ class TreeBatch:
         num_nodes = int(offsets[-1])
         parent = np.empty(num_nodes, dtype=np.int64)
         reward = np.zeros(num_nodes, dtype=np.float64)
+        has_generated = np.zeros(num_nodes, dtype=bool)
         node_prompt = np.empty(num_nodes, dtype=np.int64)
         prompt_index: dict[str, int] = {}
         for t, tree in enumerate(trees):
@@ -119,6 +130,7 @@ class TreeBatch:
                 parent[base + i] = -1 if node.parent_id < 0 else base + node.parent_id
                 if node.reward is not None:
                     reward[base + i] = float(node.reward)
+                has_generated[base + i] = any(node.loss_mask)
         num_children = np.bincount(parent[parent >= 0], minlength=num_nodes).astype(np.int64)
         leaf = np.flatnonzero((num_children == 0) & (parent >= 0)).astype(np.int64)
         leaf_reward = reward[leaf]
@@ -127,9 +139,12 @@ class TreeBatch:
             t = int(np.searchsorted(offsets, bad, side="right") - 1)
             raise ValueError(f"tree {trees[t].tree_id}: leaf node {bad - int(offsets[t])} has a non-finite reward")
 
+        leaf_is_empty = ~has_generated[leaf]
+        kept = np.flatnonzero(~leaf_is_empty).astype(np.int64)
+
         pair_leaf_parts, pair_node_parts = [], []
-        current = parent[leaf]
-        leaf_idx = np.arange(leaf.size, dtype=np.int64)
+        current = parent[leaf[kept]]
+        leaf_idx = kept
         while current.size:
             alive = current >= 0
             leaf_idx, current = leaf_idx[alive], current[alive]
@@ -140,13 +155,13 @@ class TreeBatch:
         pair_node = np.concatenate(pair_node_parts) if pair_node_parts else np.zeros(0, dtype=np.int64)
 
         subtree_leaves = np.bincount(pair_node, minlength=num_nodes).astype(np.int64)
-        subtree_leaves[leaf] += 1
+        subtree_leaves[leaf[kept]] += 1
         subtree_reward = np.bincount(pair_node, weights=leaf_reward[pair_leaf], minlength=num_nodes)
         subtree_reward = subtree_reward.astype(np.float64)  # bincount of nothing is int64
-        subtree_reward[leaf] += leaf_reward
+        subtree_reward[leaf[kept]] += leaf_reward[kept]
         return cls(offsets=offsets, parent=parent, num_children=num_children, leaf=leaf,
-                   leaf_reward=leaf_reward, leaf_prompt=node_prompt[leaf], prompt_uids=list(prompt_index),
-                   node_prompt=node_prompt, pair_leaf=pair_leaf, pair_node=pair_node,
+                   leaf_is_empty=leaf_is_empty, leaf_reward=leaf_reward, leaf_prompt=node_prompt[leaf],
+                   prompt_uids=list(prompt_index), node_prompt=node_prompt, pair_leaf=pair_leaf, pair_node=pair_node,
                    subtree_leaves=subtree_leaves, subtree_reward=subtree_reward)
 
     @property
@@ -157,16 +172,39 @@ class TreeBatch:
     def num_prompts(self) -> int:
         return len(self.prompt_uids)
 
+    @property
+    def kept_leaves(self) -> np.ndarray:
+        """(K,) int64 positions (into ``leaf``) of the non-empty leaves, the only ones that enter groups."""
+        return np.flatnonzero(~self.leaf_is_empty).astype(np.int64)
+
+    def is_live(self) -> np.ndarray:
+        """(G,) bool: non-root nodes with a non-empty leaf at or below them."""
+        return (self.subtree_leaves > 0) & (self.parent >= 0)
+
     def is_branch_anchor(self) -> np.ndarray:
-        """(G,) bool: non-root nodes with >= 2 children."""
-        return (self.num_children >= 2) & (self.parent >= 0)
+        """(G,) bool: non-root nodes with >= 2 live children (children with a non-empty leaf below)."""
+        live = self.is_live()
+        live_children = np.bincount(self.parent[live], minlength=self.parent.size)
+        return (live_children >= 2) & (self.parent >= 0)
+
+    def kept_leaf_zscore(self, values: np.ndarray, group: np.ndarray, num_groups: int, eps: float,
+                         std_floor: float) -> np.ndarray:
+        """(L,) ``group_zscore`` of per-leaf ``values`` over the non-empty leaves only; empty leaves get 0."""
+        out = np.zeros(self.leaf.size, dtype=np.float64)
+        kept = self.kept_leaves
+        out[kept] = group_zscore(np.asarray(values, dtype=np.float64)[kept], group[kept], num_groups, eps,
+                                 std_floor)
+        return out
 
     def split(self, values: np.ndarray) -> list[np.ndarray]:
         """Cut a (G,) array into per-tree (N_t,) arrays."""
         return [values[self.offsets[t]:self.offsets[t + 1]].copy() for t in range(self.num_trees)]
 
     def leaf_row_sums(self, leaf_advantage: np.ndarray) -> np.ndarray:
-        """(G,) node advantage = sum of the (L,) leaf-row advantages through each non-root node; roots 0."""
+        """(G,) node advantage = sum of the (L,) leaf-row advantages through each non-root node; roots 0.
+
+        The pairs hold only non-empty leaves, so an empty leaf's row adds nothing to its ancestors.
+        """
         out = np.zeros(self.parent.size, dtype=np.float64)
         out[self.leaf] = leaf_advantage
         out += np.bincount(self.pair_node, weights=leaf_advantage[self.pair_leaf], minlength=out.size)
@@ -252,7 +290,7 @@ def grpo_advantages(trees: Sequence[RolloutTree], *, eps: float = 1e-6, std_floo
     """
     _check_conventions(eps, std_floor)
     batch = TreeBatch.from_trees(trees)
-    adv = group_zscore(batch.leaf_reward, batch.leaf_prompt, batch.num_prompts, eps, std_floor)
+    adv = batch.kept_leaf_zscore(batch.leaf_reward, batch.leaf_prompt, batch.num_prompts, eps, std_floor)
     return batch.split(batch.leaf_row_sums(_clip(adv, clip)))
 
 
@@ -270,7 +308,7 @@ def tree_grpo_advantages(trees: Sequence[RolloutTree], *, eps: float = 1e-6, std
     """
     _check_conventions(eps, std_floor)
     batch = TreeBatch.from_trees(trees)
-    inter = group_zscore(batch.leaf_reward, batch.leaf_prompt, batch.num_prompts, eps, std_floor)
+    inter = batch.kept_leaf_zscore(batch.leaf_reward, batch.leaf_prompt, batch.num_prompts, eps, std_floor)
     on_anchor = batch.is_branch_anchor()[batch.pair_node]
     pair_leaf, pair_anchor = batch.pair_leaf[on_anchor], batch.pair_node[on_anchor]
     anchors, anchor_group = np.unique(pair_anchor, return_inverse=True)
@@ -313,7 +351,7 @@ def treerpo_advantages(trees: Sequence[RolloutTree], *, eps: float = 1e-6, std_f
     parent = batch.parent
     num_nodes = parent.size
     value = batch.subtree_reward / np.maximum(batch.subtree_leaves, 1)
-    turns = np.flatnonzero(parent >= 0)
+    turns = np.flatnonzero(batch.is_live())  # a node with only empty leaves below is in no sibling group
     under_root = parent[parent[turns]] < 0
     # sibling-group key: prompt index for first turns, num_prompts + parent id otherwise
     key = np.where(under_root, batch.node_prompt[turns], batch.num_prompts + parent[turns])
@@ -347,8 +385,9 @@ def treepo_advantages(trees: Sequence[RolloutTree], *, eps: float = 1e-6, std_fl
     _check_conventions(eps, std_floor)
     batch = TreeBatch.from_trees(trees)
     num_leaves = batch.leaf.size
-    prompt_count = np.bincount(batch.leaf_prompt, minlength=batch.num_prompts)
-    prompt_mean = np.bincount(batch.leaf_prompt, weights=batch.leaf_reward,
+    kept = batch.kept_leaves
+    prompt_count = np.bincount(batch.leaf_prompt[kept], minlength=batch.num_prompts)
+    prompt_mean = np.bincount(batch.leaf_prompt[kept], weights=batch.leaf_reward[kept],
                               minlength=batch.num_prompts) / np.maximum(prompt_count, 1)
     at_root = batch.parent[batch.pair_node] < 0
     group_size = np.where(at_root, prompt_count[batch.leaf_prompt[batch.pair_leaf]],
@@ -360,7 +399,7 @@ def treepo_advantages(trees: Sequence[RolloutTree], *, eps: float = 1e-6, std_fl
     total = np.bincount(batch.pair_leaf, weights=weight * diff, minlength=num_leaves)
     weight_sum = np.bincount(batch.pair_leaf, weights=weight, minlength=num_leaves)
     raw = np.divide(total, weight_sum, out=np.zeros(num_leaves), where=weight_sum > 0)
-    whitened = group_zscore(raw, np.zeros(num_leaves, dtype=np.int64), 1, eps, std_floor)
+    whitened = batch.kept_leaf_zscore(raw, np.zeros(num_leaves, dtype=np.int64), 1, eps, std_floor)
     return batch.split(batch.leaf_row_sums(_clip(whitened, clip)))
 
 

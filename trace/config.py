@@ -1,7 +1,8 @@
 """Typed, frozen configuration mirroring ``params.yaml`` one to one.
 
 Every field has a one-line doc; defaults are the paper's values where it gives them. Unknown keys and
-invalid values fail at load with the key, the value, the rule and how to fix it. Library functions take
+invalid values fail at load with the key, the value, the rule and how to fix it; a key written twice in a
+params file fails with both line numbers (``read_params_file``, the one reader of params YAML). Library functions take
 their own section (``cfg.allocation``), never the whole tree.
 """
 
@@ -288,7 +289,7 @@ class EvaluateConfig(_Section):
 
 class TrackingConfig(_Section):
     tracking_uri: Optional[str] = Field(None, description="MLflow URI; None = env MLFLOW_TRACKING_URI or sqlite:///mlflow.db")
-    experiment_name: str = Field("trace", min_length=1, description="MLflow experiment")
+    experiment_name: str = Field("trace-kgqa", min_length=1, description="MLflow experiment (made a model-training one)")
 
 
 class Config(_Section):
@@ -328,6 +329,24 @@ class Config(_Section):
                                            allow_skip=allow_skip, m_min_key=floor_key)
             except ValueError as err:
                 raise ValueError(f"train.ablations has {spec.name}: {err}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _check_candidate_pool(self) -> "Config":
+        """A step's ``allocation.num_candidates`` distinct prompts fit in the training pool, where the params
+        fix its size (checked at load; the train stage checks the prepared prompts of every task)."""
+        if self.task.name == TaskName.KGQA:
+            key, pool = "task.kgqa.num_train", self.task.kgqa.num_train
+        elif self.task.name == TaskName.SIMULATOR:
+            key, pool = "task.simulator.num_prompts", self.task.simulator.num_prompts
+        elif self.task.files.max_train is not None:
+            key, pool = "task.files.max_train", self.task.files.max_train
+        else:
+            return self
+        if self.allocation.num_candidates > pool:
+            raise ValueError(f"allocation.num_candidates={self.allocation.num_candidates} exceeds {key}={pool} "
+                             "training prompts, and a step's candidates are distinct prompts: lower "
+                             f"allocation.num_candidates or raise {key}")
         return self
 
     def resume_hash(self) -> str:
@@ -380,6 +399,98 @@ def config_from_dict(data: dict, source: str = "<dict>") -> Config:
         raise ConfigError(_format_errors(err, source)) from None
 
 
+_YAML_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+def _duplicate_key(node: yaml.Node, constructor: yaml.constructor.SafeConstructor,
+                   path: tuple[str, ...] = (), visited: set[int] | None = None) -> tuple[str, int, int] | None:
+    """The first mapping key given twice under ``node``: (dotted key, first line, second line), 1-based.
+
+    Keys are compared as the values YAML reads them as (``1`` and ``"1"`` differ, ``lr`` and ``"lr"`` do
+    not). Keys a ``<<`` merge brings in may be overridden; only keys written twice in one mapping count.
+    A node reached again through an alias is checked once.
+    """
+    visited = set() if visited is None else visited
+    if id(node) in visited:
+        return None
+    visited.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        first_line: dict = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == _YAML_MERGE_TAG:
+                continue
+            try:
+                key = constructor.construct_object(key_node, deep=True)
+                hash(key)
+            except (yaml.YAMLError, TypeError):
+                key = (key_node.tag, str(getattr(key_node, "value", key_node)))
+            line = key_node.start_mark.line + 1
+            dotted = ".".join(path + (str(key),)).replace(".[", "[")
+            if key in first_line:
+                return dotted, first_line[key], line
+            first_line[key] = line
+            found = _duplicate_key(value_node, constructor, path + (str(key),), visited)
+            if found:
+                return found
+    elif isinstance(node, yaml.SequenceNode):
+        for idx, item in enumerate(node.value):
+            found = _duplicate_key(item, constructor, path + (f"[{idx}]",), visited)
+            if found:
+                return found
+    return None
+
+
+def parse_params_yaml(text: str, source: str = "<params>") -> Any:
+    """Parse params YAML strictly: like ``yaml.safe_load``, but a key repeated in one mapping is an error.
+
+    ``yaml.safe_load`` keeps the last of two equal keys, so a second ``update:`` section would silently
+    replace the first whole and its keys would fall back to their defaults.
+
+    Args:
+        text: the YAML document.
+        source: the file name, for messages.
+
+    Returns:
+        The parsed document (``None`` for an empty one).
+
+    Raises:
+        ConfigError: invalid YAML, or a repeated key (names the dotted key, both line numbers and ``source``).
+    """
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        if node is None:
+            return None
+        found = _duplicate_key(node, yaml.constructor.SafeConstructor())
+        if found:
+            key, first, second = found
+            raise ConfigError(f"params file {source}: key {key!r} is given twice (lines {first} and {second}); "
+                              "YAML would keep only the last and silently drop the first: merge them into one")
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"params file {source} is not valid YAML: {err}") from None
+
+
+def read_params_file(path: str | Path) -> dict:
+    """Read a params YAML file strictly (``parse_params_yaml``): every params file is read through here.
+
+    Args:
+        path: the YAML file.
+
+    Returns:
+        The top-level mapping (``{}`` for an empty file).
+
+    Raises:
+        ConfigError: the file is missing, is not valid YAML, repeats a key, or is not a mapping.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"params file {path} not found; pass --params PATH or create it (see params.yaml)")
+    data = parse_params_yaml(path.read_text(), str(path)) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"params file {path} must hold a mapping of sections, got {type(data).__name__}")
+    return data
+
+
 def load_config(path: str | Path = "params.yaml", overrides: dict | None = None) -> Config:
     """Load and validate a params file.
 
@@ -388,17 +499,11 @@ def load_config(path: str | Path = "params.yaml", overrides: dict | None = None)
         overrides: dotted keys to set after loading, e.g. ``{"train.num_steps": 3}``.
 
     Raises:
-        ConfigError: the file is missing, is not a YAML mapping, or holds an invalid / unknown key.
+        ConfigError: the file is missing, is not a YAML mapping, repeats a key, or holds an invalid / unknown
+            key.
     """
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"params file {path} not found; pass --params PATH or create it (see params.yaml)")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"params file {path} is not valid YAML: {err}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"params file {path} must hold a mapping of sections, got {type(data).__name__}")
+    data = read_params_file(path)
     for key, value in (overrides or {}).items():
         node = data
         *parents, leaf = key.split(".")

@@ -7,12 +7,17 @@ Invariants kept here:
   row's 0-based position among the file's records (API-Bank: ``<dialogue file stem>:<call index>``, its
   test-data ids being per dialogue), so
   ``prompt_uid = data_source/example_id`` never collides across sources (a data source has no ``/``).
-  Within one loaded split a repeated id is a bad row.
+  Rows of a separate eval file (``files.eval_path``) get ``eval:`` before that id, so they never share a
+  ``prompt_uid`` with the train file's rows (both files may number rows from 0, or reuse their own ids);
+  train-file ids, and so the hash split below, are the file's own. Ids depend only on the files, never on
+  the run. Within one loaded split a repeated id is a bad row.
 - Nothing crashes mid-run on bad input: every problem is found at load time and either raises ``DataError``
   naming the file, the row (``line N`` for JSON lines, ``item N`` for a JSON array) and the fix, or, with
   ``on_bad_row: skip``, skips the row, logs one warning with the count and records each skip in
   ``LoadResult.bad_rows``. Bad rows: invalid JSON on a line, a line that is not UTF-8, a row that is not an
-  object, an empty or missing question, a missing answer (or gold call), a duplicate id. A JSON array file
+  object, an empty or missing question, a missing answer (or gold call), an answer no prediction could
+  match (a QA answer whose every alias normalises to the empty string, such as ``")"`` or ``"The"``; a math
+  answer with no number and nothing left after normalisation), a duplicate id. A JSON array file
   that does not parse (or is not UTF-8) cannot be read row by row and always raises.
 
 Files (``TaskConfig.files``): ``train_path``, ``eval_path``, ``corpus_path`` (QA: the passage corpus for
@@ -49,6 +54,7 @@ array are told apart by the contents, and a ``.jsonl`` suffix always means JSON 
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import hashlib
 import json
 import logging
@@ -63,7 +69,7 @@ from trace.envs.fc import (API_BANK_CATEGORY, FC_TASKS, IRRELEVANCE_CATEGORIES, 
                            api_bank_function, parse_api_bank_descriptions, parse_api_bank_request, parse_calls,
                            render_call)
 from trace.envs.math import MATH_TASKS, canonical_answer, gsm8k_calculations, gsm8k_final_answer
-from trace.envs.answers import extract_boxed, parse_number
+from trace.envs.answers import extract_boxed, is_empty_math_answer, parse_number
 from trace.envs.qa import QA_TASKS, gold_aliases
 
 logger = logging.getLogger(__name__)
@@ -73,6 +79,7 @@ DATA_DIRS_ENV = "TRACE_DATA_DIRS"
 SPLITS = ("train", "eval")
 REAL_TASKS = QA_TASKS + MATH_TASKS + FC_TASKS
 ID_KEYS = ("id", "_id", "test_id", "unique_id", "qid", "question_id")
+EVAL_FILE_ID_PREFIX = "eval:"  # before the ids of a separate eval file's rows
 API_BANK_PREAMBLE = "The current year is 2023."  # API-Bank's level-1 prompt states it; gold dates assume it
 
 TASK_FORMATS: dict[str, tuple[str, ...]] = {
@@ -283,11 +290,19 @@ def _question(record: dict, key: str = "question") -> str:
 
 
 def _qa_golds(record: dict) -> list[str]:
+    """The row's scorable gold aliases; aliases that normalise to the empty string are dropped."""
     golds: list[str] = []
+    given: list[str] = []
     for key in ("answer", "answers", "golden_answers", "answer_aliases"):
-        for alias in gold_aliases(record.get(key)):
+        value = record.get(key)
+        given += [str(a) for a in (value if isinstance(value, (list, tuple)) else [value])
+                  if a is not None and str(a).strip()]
+        for alias in gold_aliases(value):
             if alias not in golds:
                 golds.append(alias)
+    if not golds and given:
+        raise _RowError(f"answer {given!r} is empty after answer normalisation (lowercase, no punctuation, no "
+                        "a/an/the), so exact match could not score it; fix the answer or drop the row")
     if not golds:
         raise _RowError("missing answer (field 'answer')")
     return golds
@@ -333,6 +348,12 @@ def _parse_qa_pairs(record: dict, task: str, row_idx: int) -> Prompt:
     return Prompt(task, _example_id(record, row_idx), _question(record), _qa_golds(record), {})
 
 
+def _require_math_answer(answer: str) -> None:
+    if is_empty_math_answer(answer):
+        raise _RowError(f"answer {answer!r} holds no number and nothing is left after normalisation, so no "
+                        "prediction could match it; fix the answer or drop the row")
+
+
 def _parse_gsm8k(record: dict, task: str, row_idx: int) -> Prompt:
     question = _question(record)
     solution = record.get("answer")
@@ -344,6 +365,7 @@ def _parse_gsm8k(record: dict, task: str, row_idx: int) -> Prompt:
         if parse_number(solution) is None:
             raise _RowError("answer has no final '#### <number>' line")
         final = solution.strip()
+    _require_math_answer(final)
     meta = {"calculations": gsm8k_calculations(solution)}
     return Prompt(task, _example_id(record, row_idx), question, final, meta)
 
@@ -358,7 +380,9 @@ def _parse_math(record: dict, task: str, row_idx: int) -> Prompt:
             raise _RowError("missing answer: no 'answer' field and no \\boxed{} in 'solution'")
     meta = {key: record[key] for key in ("level", "type", "subject", "year", "url", "difficulty")
             if isinstance(record.get(key), (str, int, float)) and not isinstance(record.get(key), bool)}
-    return Prompt(task, _example_id(record, row_idx), question, canonical_answer(answer), meta)
+    answer = canonical_answer(answer)
+    _require_math_answer(answer)
+    return Prompt(task, _example_id(record, row_idx), question, answer, meta)
 
 
 def _bfcl_category(example_id: str) -> str:
@@ -686,7 +710,8 @@ def load_split(task_cfg: Any, split: str, *, repo_root: str | Path | None = None
         allowed_roots: folders data paths may lie under (default: ``default_allowed_roots``).
 
     Returns:
-        ``LoadResult`` (prompts in file order, bad rows, paths and formats read).
+        ``LoadResult`` (prompts in file order, bad rows, paths and formats read). Prompts read from
+        ``files.eval_path`` have ``example_id = "eval:<the row's id>"``.
 
     Raises:
         ValueError: on an unknown split.
@@ -714,6 +739,8 @@ def load_split(task_cfg: Any, split: str, *, repo_root: str | Path | None = None
     collector = _Collector(cfg_files.on_bad_row)
     formats = _load_source(task, source, resolved, cfg_files.format, collector)
     prompts = collector.prompts
+    if source_key == "eval_path":
+        prompts = [dataclasses.replace(p, example_id=f"{EVAL_FILE_ID_PREFIX}{p.example_id}") for p in prompts]
     if resolved["eval_path"] is None and cfg_files.eval_fraction > 0:
         in_eval = [_eval_share(_split_key(p)) < cfg_files.eval_fraction for p in prompts]
         prompts = [p for p, e in zip(prompts, in_eval) if e == (split == "eval")]

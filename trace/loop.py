@@ -27,7 +27,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from trace.allocation.baselines import get_ablation, plan_expansion, plan_root_counts, run_dapo
+from trace.allocation.baselines import NoMixedGroupError, get_ablation, plan_expansion, plan_root_counts, run_dapo
 from trace.allocation.prefix import candidate_anchors, split_expansion_budget
 from trace.config import Config, RolloutConfig
 from trace.envs.base import Environment, Prompt
@@ -46,20 +46,106 @@ def step_rng(seed: int, step: int, salt: str = "") -> np.random.Generator:
     return np.random.default_rng(step_seed(seed, step, salt))
 
 
-def candidate_indices(num_prompts: int, num_candidates: int, seed: int, step: int) -> np.ndarray:
-    """(B,) indices of the candidate prompts of ``step``: consecutive slices of per-epoch permutations.
+def check_candidate_pool(num_prompts: int, num_candidates: int) -> None:
+    """Refuse a candidate pool that cannot give a step ``num_candidates`` distinct prompts.
 
-    Depends only on (seed, step), never on the arm, so every arm sees the same prompts at a step.
+    Args:
+        num_prompts: P, training prompts in the pool.
+        num_candidates: B, ``allocation.num_candidates``.
+
+    Raises:
+        ValueError: ``P < 1``, ``B < 1``, or ``B > P``; the message names the params to change.
     """
     if num_prompts < 1:
         raise ValueError("no training prompts: check the prepare stage's output")
-    out = []
-    start = step * num_candidates
-    for pos in range(start, start + num_candidates):
-        epoch, idx = divmod(pos, num_prompts)
-        order = np.random.default_rng(step_seed(seed, epoch, "epoch")).permutation(num_prompts)
-        out.append(order[idx])
-    return np.asarray(out, dtype=np.int64)
+    if num_candidates < 1:
+        raise ValueError(f"allocation.num_candidates must be >= 1, got {num_candidates}")
+    if num_candidates > num_prompts:
+        raise ValueError(
+            f"allocation.num_candidates={num_candidates} exceeds the {num_prompts} training prompts, and a step's "
+            "candidates must be distinct prompts: lower allocation.num_candidates or train on more prompts "
+            "(task.kgqa.num_train, task.simulator.num_prompts, task.files.max_train or a larger data file)")
+
+
+def _epoch_permutation(num_prompts: int, seed: int, epoch: int) -> np.ndarray:
+    return np.random.default_rng(step_seed(seed, epoch, "epoch")).permutation(num_prompts)
+
+
+def _boundary_tail(num_prompts: int, num_candidates: int, epoch: int) -> int:
+    """Positions of epoch ``epoch - 1`` inside the step that starts epoch ``epoch`` (0: a step starts it)."""
+    return (epoch * num_prompts) % num_candidates
+
+
+def _order_after(order: np.ndarray, permutation: np.ndarray, num_candidates: int, tail: int) -> np.ndarray:
+    """The next epoch's drawing order: ``permutation`` with the prompts of the boundary step moved back.
+
+    The boundary step holds the last ``tail`` prompts of ``order``; it takes the first ``B - tail`` prompts of
+    ``permutation`` that it does not hold yet, and the prompts it skipped follow right after them.
+    """
+    if tail == 0:
+        return permutation
+    held = np.isin(permutation, order[order.size - tail:])
+    free = np.flatnonzero(~held)
+    cut = int(free[num_candidates - tail - 1]) + 1  # permutation[:cut] holds exactly B - tail free prompts
+    head, head_held = permutation[:cut], held[:cut]
+    return np.concatenate([head[~head_held], head[head_held], permutation[cut:]])
+
+
+def _epoch_order(num_prompts: int, num_candidates: int, seed: int, epoch: int) -> np.ndarray:
+    """(P,) the drawing order of ``epoch``: its seeded permutation, repaired at the boundary with ``epoch - 1``."""
+    tail = _boundary_tail(num_prompts, num_candidates, epoch)
+    if tail == 0:
+        return _epoch_permutation(num_prompts, seed, epoch)
+    # The repair of epoch j moves only its first B positions, so the last prompts of epoch j are those of its
+    # plain permutation when a step starts epoch j or when the share of it in its final step,
+    # ``_boundary_tail(j + 1)``, lies past position B. Start from the latest such epoch (epoch 0 always is one)
+    # and repair forward.
+    first = epoch - 1
+    while first > 0 and _boundary_tail(num_prompts, num_candidates, first) != 0 \
+            and num_candidates + _boundary_tail(num_prompts, num_candidates, first + 1) > num_prompts:
+        first -= 1
+    order = _epoch_permutation(num_prompts, seed, first)
+    for later in range(first + 1, epoch + 1):
+        order = _order_after(order, _epoch_permutation(num_prompts, seed, later), num_candidates,
+                             _boundary_tail(num_prompts, num_candidates, later))
+    return order
+
+
+def candidate_indices(num_prompts: int, num_candidates: int, seed: int, step: int) -> np.ndarray:
+    """(B,) int64 indices of the ``B`` distinct candidate prompts of ``step``.
+
+    Positions ``step * B .. step * B + B - 1`` of a stream of epochs, each epoch a seeded permutation of the
+    ``P`` prompts (``step_seed(seed, epoch, "epoch")``). When ``P`` is not a multiple of ``B``, a step can
+    straddle an epoch boundary: it holds the last prompts of one epoch and completes itself with the first
+    prompts of the next epoch's permutation that it does not hold yet; the prompts it skipped are drawn right
+    after, so every epoch still draws every prompt exactly once. When ``P`` is a multiple of ``B`` no step
+    straddles and the result is the plain slice of the epoch's permutation.
+
+    The result depends only on ``(num_prompts, num_candidates, seed, step)``, never on the arm or on earlier
+    calls, so every arm sees the same prompts at a step and a resumed run draws what an uninterrupted one does.
+
+    Args:
+        num_prompts: P, the size of the training pool (>= 1).
+        num_candidates: B, ``allocation.num_candidates`` (1 <= B <= P).
+        seed: the run's ``seed``.
+        step: the training step (>= 0).
+
+    Returns:
+        (B,) int64 distinct indices into the pool.
+
+    Raises:
+        ValueError: an empty pool, ``B > P`` (``check_candidate_pool``), or a negative step.
+    """
+    check_candidate_pool(num_prompts, num_candidates)
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    epoch, offset = divmod(step * num_candidates, num_prompts)
+    order = _epoch_order(num_prompts, num_candidates, seed, epoch)
+    out = order[offset:offset + num_candidates]
+    if out.size < num_candidates:  # the step straddles the boundary into the next epoch
+        following = _order_after(order, _epoch_permutation(num_prompts, seed, epoch + 1), num_candidates, out.size)
+        out = np.concatenate([out, following[:num_candidates - out.size]])
+    return out.astype(np.int64)
 
 
 def sampling_spec(rollout_cfg: RolloutConfig, seed: int, temperature: float | None = None):
@@ -163,6 +249,7 @@ def run_warmup(policy, env, train_prompts: Sequence[Prompt], cfg: Config, *,
     """
     from tqdm import tqdm
 
+    from trace.policy.backends import mark_weights_updated
     from trace.update import PolicyUpdater
 
     wcfg = cfg.warmup
@@ -215,6 +302,7 @@ def run_warmup(policy, env, train_prompts: Sequence[Prompt], cfg: Config, *,
     else:
         chosen, result.reason = snapshots[-1], "max_steps reached below the band: kept the last weights"
     policy.model.load_state_dict(chosen[2])
+    mark_weights_updated(policy.model)  # backends serving the policy (the shared vLLM engine) must refresh
     result.chosen_step, result.chosen_success = chosen[0], chosen[1]
     return result
 
@@ -284,14 +372,15 @@ class Trainer:
         self.updater = PolicyUpdater(policy.model, cfg.update, seed=cfg.seed,
                                      pad_token_id=policy.tokenizer.pad_token_id,
                                      max_tokens=cfg.policy.max_context_tokens)
-        # one backend for the whole run: the HF backend drops kept KV when the weights change, the vLLM engine
-        # reloads the updated weights and resets its prefix cache
+        # one backend for the whole run: the updater announces every optimizer step (mark_weights_updated), on
+        # which the HF backend drops kept KV and the vLLM engine reloads the weights and resets its prefix cache
         self.backend = make_rollout_backend(policy, cfg.rollout)
         self.estimator = (cfg.advantages.estimator.value if cfg.advantages.estimator is not None
                           else self.spec.estimator)
         self.cumulative_tokens = 0.0
         self.cumulative_trajectories = 0.0
         self.next_step = 0
+        self.checkpoint_step = 0  # next_step of the newest checkpoint saved or loaded
         self.history: list[dict] = []
 
     # ---- paths and checkpoints ------------------------------------------------------------------------
@@ -318,6 +407,7 @@ class Trainer:
         for old in ckpt.glob(f"{PREDICTOR_FILE}.step*"):
             if old.name != f"{PREDICTOR_FILE}.{tag}":
                 old.unlink(missing_ok=True)
+        self.checkpoint_step = step_done
 
     def resume(self) -> int:
         """Load the last checkpoint if it belongs to these params; return the next step to run.
@@ -341,6 +431,7 @@ class Trainer:
         self.cumulative_tokens = state["cumulative_tokens"]
         self.cumulative_trajectories = state["cumulative_trajectories"]
         self.next_step = int(state["next_step"])
+        self.checkpoint_step = self.next_step
         self.history = list(state.get("history", []))[: self.next_step]
         return self.next_step
 
@@ -439,9 +530,11 @@ class Trainer:
                                   acfg.dapo_max_retries, step_rng(cfg.seed, step, "dapo"))
                 kept = set(int(i) for i in result.kept_candidates)
                 metrics["dapo/rounds"] = float(result.num_rounds)
-            except RuntimeError:
-                # every sampled group agreed within the retry bound: nothing to learn from this step
+            except NoMixedGroupError as err:
+                # every sampled group agreed within the retry bound: nothing to learn from this step. Any other
+                # error of the rollouts (retriever, backend, out of memory) is not an outcome and stops the run.
                 kept = set()
+                metrics["dapo/rounds"] = float(err.num_rounds)
                 metrics["dapo/no_mixed_group"] = 1.0
             counts = np.zeros(len(candidates), dtype=np.int64)
             all_trees = sampled

@@ -12,6 +12,15 @@ micro-batch losses (and their gradients) then add up to the loss of the whole ba
 aggregated the same way, so they add up too.
 
 Numerical guards shared with verl ``core_algos``: log-ratios are clamped to [-20, 20] before ``exp``.
+
+Positions off ``loss_mask`` cannot reach the loss, its metrics or its gradients: a NaN or inf there (padding,
+an observation token's stored logprob, a reference log-prob of a prompt token) would survive a plain
+``value * mask`` (``nan * 0 = nan``), so every input is first passed through ``torch.where``, which keeps the
+entry where the mask is on or the entry is finite and puts 0 elsewhere. ``where`` selects rather than
+multiplies, so for finite inputs the loss and its gradients are bit for bit those of ``value * mask``. Inputs
+are sanitised before any arithmetic because a non-finite value that flows through ``exp`` before a
+``where`` still sends NaN down the backward pass (``0 * inf``). Non-finite values on the mask are left alone:
+the loss is then NaN, as it should be for a trained token without a valid log-probability.
 """
 
 from __future__ import annotations
@@ -19,6 +28,22 @@ from __future__ import annotations
 import torch
 
 LOG_RATIO_CLAMP = 20.0  # |log ratio| bound before exp; exp(20) ~ 4.9e8 stays finite in float32
+
+
+def _finite_off_mask(values: torch.Tensor, is_on: torch.Tensor) -> torch.Tensor:
+    """``values`` with every non-finite entry off the mask replaced by 0 (entries on the mask untouched).
+
+    Finite inputs come back bit for bit (``where`` selects, it does not multiply), and so do the gradients
+    that flow back through the kept entries; a replaced entry gets gradient 0.
+
+    Args:
+        values: (B, T) float.
+        is_on: (B, T) bool, True on the tokens that count.
+
+    Returns:
+        (B, T) tensor of ``values``' dtype.
+    """
+    return torch.where(is_on | torch.isfinite(values), values, 0.0)
 
 
 def token_mean(values: torch.Tensor, loss_mask: torch.Tensor, num_tokens: int | float | None = None) -> torch.Tensor:
@@ -43,6 +68,7 @@ def token_mean(values: torch.Tensor, loss_mask: torch.Tensor, num_tokens: int | 
     if values.shape != loss_mask.shape:
         raise ValueError(f"values shape {tuple(values.shape)} != loss_mask shape {tuple(loss_mask.shape)}")
     mask = loss_mask.to(values.dtype)
+    values = _finite_off_mask(values, loss_mask != 0)
     if num_tokens is None:
         denom = mask.sum().clamp(min=1.0)
     else:
@@ -109,7 +135,9 @@ def clipped_surrogate_loss(
         logprobs: (B, T) float, current policy log-probs (nats), with gradient.
         old_logprobs: (B, T) float, sampling-time log-probs (nats).
         advantages: (B, T) float, advantage of each token (0 off the mask).
-        loss_mask: (B, T), 1 on generated tokens to train, 0 elsewhere.
+        loss_mask: (B, T), 1 on generated tokens to train, 0 elsewhere. Off the mask, non-finite entries of
+            the three inputs above are ignored: they change neither the loss, nor its metrics, nor its
+            gradients (module docstring).
         clip_low: ratio lower bound is ``1 - clip_low``; in [0, 1).
         clip_high: ratio upper bound is ``1 + clip_high``; >= 0 (DAPO uses 0.28).
         num_tokens: normaliser (see ``token_mean``); the whole batch's count for micro-batches.
@@ -135,6 +163,8 @@ def clipped_surrogate_loss(
     for name, tensor in (("old_logprobs", old_logprobs), ("advantages", advantages), ("loss_mask", loss_mask)):
         if tensor.shape != logprobs.shape:
             raise ValueError(f"{name} shape {tuple(tensor.shape)} != logprobs shape {tuple(logprobs.shape)}")
+    is_on = loss_mask != 0
+    logprobs, old_logprobs, advantages = (_finite_off_mask(x, is_on) for x in (logprobs, old_logprobs, advantages))
     log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
@@ -186,7 +216,8 @@ def kl_penalty_loss(
     Args:
         logprobs: (B, T) float, current policy log-probs, with gradient.
         ref_logprobs: (B, T) float reference log-probs; may be ``None`` when ``kl_coef == 0``.
-        loss_mask: (B, T), 1 on generated tokens.
+        loss_mask: (B, T), 1 on generated tokens; off it, non-finite entries of ``logprobs`` and
+            ``ref_logprobs`` are ignored (module docstring).
         kl_coef: >= 0; 0 skips the term (returns a constant 0 and no metrics, no reference needed).
         num_tokens: normaliser (see ``token_mean``).
 
@@ -194,7 +225,7 @@ def kl_penalty_loss(
         ``(loss, metrics)``; metrics ``losses/kl`` (the token-mean k3, before ``kl_coef``), detached.
 
     Raises:
-        ValueError: on a negative coefficient, or ``kl_coef > 0`` without ``ref_logprobs``.
+        ValueError: on a negative coefficient, ``kl_coef > 0`` without ``ref_logprobs``, or shapes that differ.
 
     References:
         GRPO's KL regulariser, Shao et al. 2024, arXiv 2402.03300, eq. 3-4 (k3 estimator).
@@ -205,7 +236,12 @@ def kl_penalty_loss(
         return torch.zeros((), dtype=logprobs.dtype, device=logprobs.device), {}
     if ref_logprobs is None:
         raise ValueError(f"kl_coef={kl_coef} > 0 needs ref_logprobs from the reference policy")
-    kl = token_mean(kl_k3(logprobs, ref_logprobs), loss_mask, num_tokens)
+    if ref_logprobs.shape != logprobs.shape or loss_mask.shape != logprobs.shape:
+        raise ValueError(f"ref_logprobs shape {tuple(ref_logprobs.shape)} and loss_mask shape "
+                         f"{tuple(loss_mask.shape)} must equal logprobs shape {tuple(logprobs.shape)}")
+    is_on = loss_mask != 0
+    kl = token_mean(kl_k3(_finite_off_mask(logprobs, is_on), _finite_off_mask(ref_logprobs, is_on)), loss_mask,
+                    num_tokens)
     return kl_coef * kl, {"losses/kl": kl.detach()}
 
 
@@ -227,7 +263,8 @@ def sft_loss(
         num_tokens: normaliser (see ``token_mean``).
 
     Returns:
-        0-d float32 loss with gradient.
+        0-d float32 loss with gradient. Its value ignores non-finite logits off the mask, but its gradient
+        is finite only for finite logits: the model's own backward carries a NaN forward value along.
 
     Raises:
         ValueError: on mismatched shapes.

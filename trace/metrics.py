@@ -10,6 +10,8 @@ Definitions (groups by explicit ids, as in ``trace.advantages``):
   anchor (a non-root node with >= 2 children); it is *mixed* when its leaf rewards are not all equal;
 - a leaf is *effective* when it lies in at least one mixed group of size >= 2. An anchor group sits inside
   its prompt group, so in practice this is "the prompt's leaves are mixed"; both are checked as defined;
+- an empty leaf (its own turn generated nothing) is in no group and never effective, but it counts among
+  the sampled leaves (``trace.advantages``, module docstring);
 - a generated token is *effective* when its node lies on the path of an effective leaf. Tokens are counted
   once per node, since a shared prefix is decoded once: the ratio is the share of decode compute that
   carries gradient signal.
@@ -53,7 +55,8 @@ def _group_mixed(values: np.ndarray, group: np.ndarray, num_groups: int) -> tupl
 
 
 def _prompt_mixed(batch: TreeBatch) -> tuple[np.ndarray, np.ndarray]:
-    return _group_mixed(batch.leaf_reward, batch.leaf_prompt, batch.num_prompts)
+    kept = batch.kept_leaves  # an empty leaf is in no group, as in trace.advantages
+    return _group_mixed(batch.leaf_reward[kept], batch.leaf_prompt[kept], batch.num_prompts)
 
 
 def _anchor_mixed(batch: TreeBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -79,7 +82,7 @@ def effective_leaves(trees: Sequence[RolloutTree]) -> list[np.ndarray]:
 
 def _effective_flags(batch: TreeBatch) -> np.ndarray:
     prompt_mixed, _ = _prompt_mixed(batch)
-    flags = prompt_mixed[batch.leaf_prompt].copy()
+    flags = prompt_mixed[batch.leaf_prompt] & ~batch.leaf_is_empty
     pair_leaf, group, anchor_mixed, _ = _anchor_mixed(batch)
     flags[pair_leaf[anchor_mixed[group]]] = True
     return flags

@@ -1,14 +1,16 @@
 """Prepared prompt files: the ``prepare`` stage's output, one JSON object per line, written atomically.
 
 Each line is a ``Prompt`` (data_source, example_id, question, answer, meta). Reading validates every
-line and names the file and line of the first problem.
+line and names the file and line of the first problem. Invariant: a ``prompt_uid`` occurs once across
+every prepared split (``check_unique_prompt_uids``): it keys per-prompt history, tie-breaks and seeds, so a
+train and an eval prompt that shared one would share those too.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from trace.envs.base import Prompt, prompts_by_uid
 from trace.tree_io import atomic_write_bytes
@@ -36,20 +38,50 @@ def read_prompts(path: str | Path) -> list[Prompt]:
     """Read a file written by ``save_prompts``.
 
     Raises:
-        PreparedFileError: missing file, invalid JSON or missing field (names file and line).
+        PreparedFileError: missing file, invalid JSON, a missing field or a ``prompt_uid`` already read
+            (names file and line).
     """
     path = Path(path)
     if not path.is_file():
         raise PreparedFileError(f"{path}: no such file; run the prepare stage (dvc repro prepare)")
     out = []
+    first_line: dict[str, int] = {}
     with path.open(encoding="utf-8") as fh:
         for line_no, line in enumerate(fh, start=1):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
-                out.append(Prompt(data_source=row["data_source"], example_id=str(row["example_id"]),
-                                  question=row["question"], answer=row.get("answer"), meta=row.get("meta") or {}))
-            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                prompt = Prompt(data_source=row["data_source"], example_id=str(row["example_id"]),
+                                question=row["question"], answer=row.get("answer"), meta=row.get("meta") or {})
+                uid = prompt.prompt_uid
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
                 raise PreparedFileError(f"{path}:{line_no}: malformed prompt line ({err!r}); rerun prepare") from None
+            if uid in first_line:
+                raise PreparedFileError(f"{path}:{line_no}: prompt_uid {uid!r} already on line {first_line[uid]}; "
+                                        "prompt ids must be unique: rerun prepare")
+            first_line[uid] = line_no
+            out.append(prompt)
     return out
+
+
+def check_unique_prompt_uids(splits: Mapping[str, Sequence[Prompt]]) -> None:
+    """Check that no ``prompt_uid`` occurs twice within or across the given splits.
+
+    Args:
+        splits: prompts by split name, e.g. ``{"train": [...], "eval": [...]}``.
+
+    Raises:
+        PreparedFileError: naming the shared ``prompt_uid``, its two places (split and position) and the fix.
+    """
+    seen: dict[str, tuple[str, int]] = {}
+    for split, prompts in splits.items():
+        for idx, prompt in enumerate(prompts):
+            uid = prompt.prompt_uid
+            if uid in seen:
+                other_split, other_idx = seen[uid]
+                raise PreparedFileError(
+                    f"prompt_uid {uid!r} is shared by {other_split} prompt {other_idx} and {split} prompt {idx}; "
+                    "every prompt of a task needs its own id across splits (ids key per-prompt history, "
+                    "tie-breaks and seeds): give the data rows distinct ids, or remove the duplicate row")
+            seen[uid] = (split, idx)

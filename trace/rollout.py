@@ -1,10 +1,21 @@
 """Multi-turn batched rollouts and continuations from prefixes, recorded as rollout trees.
 
 A trajectory alternates policy turns and tool observations: the policy generates until it emits the
-observation marker (or EOS), the environment executes the parsed action (model text is data, never code),
-and the observation segment (``trace.policy.format``) is appended before the next turn. All active
-trajectories of all prompts are generated together, one backend call per turn; identical prefixes share
-their KV and each trajectory's KV is carried from turn to turn (``HFBackend``).
+observation marker, the environment executes the parsed action (model text is data, never code), and the
+observation segment (``trace.policy.format``) is appended before the next turn. All active trajectories of
+all prompts are generated together, one backend call per turn; identical prefixes share their KV and each
+trajectory's KV is carried from turn to turn (``HFBackend``).
+
+EOS ends the episode, in whatever turn the policy emits it. The environment still reads that turn's action
+text: a final answer gets the verifier's reward as usual. If the environment would have gone on (a tool
+call, no well-formed action) or hit its turn limit, the trajectory still ends there, as ``TERMINATED`` with
+reward 0.0. No observation follows, and generation never resumes after an EOS. Two reasons for this rule.
+In Gymnasium's contract, an episode the agent ended itself is *terminated*; *truncated* means an outside
+limit cut it short. And in multi-turn agent RL, a response that stops without a tool call ends the rollout
+and is scored as given, so an attempt that stops without an answer is a failure (Search-R1, Jin et al.
+2025, arXiv 2503.09516). The EOS is kept as the turn's last generated token (loss mask 1), so the choice
+to stop is what gets trained. A tool call in that last turn was executed to find out the turn was not an
+answer, so it counts in ``num_tool_calls``.
 
 - ``rollout_roots``: stage 1, ``m_i`` bare rollouts of each prompt, one ``RolloutTree`` per prompt.
 - ``expand_prefixes``: stage 2, ``K`` continuations from each chosen anchor's exact prefix token ids and
@@ -15,21 +26,23 @@ Invariants of every node written here:
 - ``token_ids`` = generated tokens then observation tokens; ``loss_mask`` is 1 exactly on the generated
   tokens (built from their count, never from padding) and ``logprobs`` is 0.0 elsewhere;
 - ``tree.prefix_token_ids(node)`` is exactly the context the next turn (or a branch) is sampled from;
-- every trajectory ends in a leaf with a ``finish_reason``: ``TERMINATED`` (the verifier's reward) or a
-  truncation (``MAX_TURNS``, ``MAX_TOKENS``: a turn used ``max_new_tokens`` without stopping, ``MAX_CONTEXT``:
-  the context reached ``max_context_tokens``), whose reward is 0.0.
+- every trajectory ends in a leaf with a ``finish_reason``: ``TERMINATED`` (the verifier's reward, or 0.0
+  when the policy ended the episode with EOS and no final answer) or a truncation (``MAX_TURNS``,
+  ``MAX_TOKENS``: a turn used ``max_new_tokens`` without stopping, ``MAX_CONTEXT``: the context reached
+  ``max_context_tokens``), whose reward is 0.0;
+- only a leaf's turn can end with EOS; a sampled inner turn ends at the observation marker.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from trace.config import RolloutConfig
-from trace.envs.base import EnvState, Environment, KnowsTrueSuccessProb, Prompt, prompts_by_uid
-from trace.tree import FinishReason, Origin, RolloutTree
+from trace.envs.base import EnvState, Environment, KnowsTrueSuccessProb, Prompt, prompts_by_uid, reward_range_of
+from trace.tree import FinishReason, Origin, RolloutTree, checked_reward
 
 _SALT_ROOTS, _SALT_BRANCHES = 0, 1
 
@@ -170,12 +183,21 @@ def _run_trajectories(policy: Any, env: Environment, trees: list[RolloutTree], a
                     bar.update(1)
                     continue
                 result = env.step(traj.state, action)
-                if result.terminated or result.truncated:
-                    reason = FinishReason.TERMINATED if result.terminated else FinishReason.MAX_TURNS
+                # EOS ends the episode whatever the environment would do next (module docstring)
+                stopped_without_answer = gen.finish == "eos" and not result.terminated
+                if result.terminated or result.truncated or stopped_without_answer:
+                    if result.terminated:
+                        reason = FinishReason.TERMINATED
+                        reward = checked_reward(result.reward, f"tree {tree.tree_id!r} node {len(tree.nodes)}",
+                                                reward_range_of(env))
+                    elif stopped_without_answer:
+                        reason, reward = FinishReason.TERMINATED, 0.0
+                    else:
+                        reason, reward = FinishReason.MAX_TURNS, 0.0
+                    state = result.state if result.state.done else replace(result.state, done=True)
                     tree.add_node(traj.parent_id, text=text, token_ids=gen_ids, logprobs=gen_logprobs,
-                                  loss_mask=[1] * num_gen, reward=float(result.reward) if result.terminated else 0.0,
-                                  finish_reason=reason, num_tool_calls=result.num_tool_calls,
-                                  env_state=result.state, **common)
+                                  loss_mask=[1] * num_gen, reward=reward, finish_reason=reason,
+                                  num_tool_calls=result.num_tool_calls, env_state=state, **common)
                     bar.update(1)
                     continue
                 obs_text = fmt.observation_text(action, result.observation)
@@ -394,7 +416,8 @@ def trajectory_from_actions(
                 gen_ids = gen_ids + fmt.end_of_turn_token_ids(tokenizer)
             node = tree.add_node(parent_id, text=fmt.decode(tokenizer, gen_ids), token_ids=gen_ids,
                                  logprobs=[0.0] * len(gen_ids), loss_mask=[1] * len(gen_ids),
-                                 reward=float(result.reward) if result.terminated else 0.0,
+                                 reward=checked_reward(result.reward, f"tree {tree.tree_id!r} node {len(tree.nodes)}",
+                                                       reward_range_of(env)) if result.terminated else 0.0,
                                  finish_reason=FinishReason.TERMINATED if result.terminated else FinishReason.MAX_TURNS,
                                  **common)
         else:

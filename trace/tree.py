@@ -11,11 +11,17 @@ Invariants kept here:
   a parent always comes before its children (``parent_id < node_id``).
 - Groups are formed by explicit ids (``prompt_uid``, ``tree_id``, ``node_id``), never by position.
 - ``prompt_uid = f"{data_source}/{example_id}"`` so two data sources that share row numbers never collide.
+- A node's ``reward`` is ``None`` or a finite ``float`` (``add_node`` refuses anything else). A reward read
+  from an environment's step is checked with ``checked_reward(reward, where, reward_range_of(env))``
+  against the environment's declared range, so a reward of 5, -1 or ``"1"`` is refused before it can
+  reach metrics or advantages.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Iterator
@@ -23,6 +29,56 @@ from typing import Any, Iterator
 import numpy as np
 
 ROOT_PARENT_ID = -1
+
+
+class RewardError(ValueError):
+    """A reward that is not a finite real number, or lies outside the environment's declared reward range."""
+
+
+def checked_reward(reward: Any, where: str, reward_range: tuple[float, float] | None = None) -> float:
+    """Return ``reward`` as a ``float`` after checking it is a usable verifier reward.
+
+    Args:
+        reward: the value to check: an ``int`` / ``float`` / numpy real (``bool``, strings and other types
+            are refused, so ``"1"`` is not read as 1.0).
+        where: what the reward belongs to, for the message (e.g. ``"tree grpo/3/kgqa/train-00001 node 7"``).
+        reward_range: ``(low, high)``, the environment's declared inclusive range
+            (``trace.envs.base.reward_range_of``); ``None`` checks type and finiteness only.
+
+    Returns:
+        The reward as a Python ``float``.
+
+    Raises:
+        RewardError: a non-real value, NaN or infinity, or a value outside ``reward_range``; the message
+            names ``where``, the value and the range.
+    """
+    if isinstance(reward, (bool, np.bool_)) or not isinstance(reward, numbers.Real):
+        raise RewardError(f"{where}: reward {reward!r} ({type(reward).__name__}) is not a number; the verifier "
+                          "must return a float")
+    value = float(reward)
+    if not math.isfinite(value):
+        raise RewardError(f"{where}: reward {value!r} is not finite; the verifier must return a finite float")
+    if reward_range is not None:
+        low, high = reward_range
+        if not low <= value <= high:
+            raise RewardError(f"{where}: reward {value!r} is outside the environment's reward_range "
+                              f"[{low}, {high}]; fix the verifier or declare the range it returns")
+    return value
+
+
+def check_tree_rewards(tree: "RolloutTree", reward_range: tuple[float, float] | None = None) -> None:
+    """Check every reward of ``tree`` with ``checked_reward`` (``None`` rewards are allowed).
+
+    Args:
+        tree: the tree.
+        reward_range: the environment's declared ``(low, high)``; ``None`` checks type and finiteness only.
+
+    Raises:
+        RewardError: naming the tree, the node, the value and the range.
+    """
+    for node in tree.nodes:
+        if node.reward is not None:
+            checked_reward(node.reward, f"tree {tree.tree_id} node {node.node_id}", reward_range)
 
 
 class Origin(str, Enum):
@@ -37,7 +93,7 @@ class FinishReason(str, Enum):
     """Why a trajectory ended at this leaf ("" on non-leaf nodes)."""
 
     NONE = ""
-    TERMINATED = "terminated"  # the environment ended the episode (final answer given); reward is real
+    TERMINATED = "terminated"  # the episode ended: a final answer (verifier reward), or EOS without one (0.0)
     MAX_TURNS = "max_turns"  # truncated: the turn limit was reached without a final answer
     MAX_TOKENS = "max_tokens"  # truncated: a turn hit the per-turn token limit
     MAX_CONTEXT = "max_context"  # truncated: the context would exceed the model's window
@@ -145,6 +201,7 @@ class RolloutTree:
 
         Raises:
             ValueError: if ``parent_id`` is not an existing node (or ``-1`` for an empty tree).
+            RewardError: if ``reward`` is given and is not a finite real number (it is stored as a ``float``).
         """
         node_id = len(self.nodes)
         if parent_id == ROOT_PARENT_ID:
@@ -152,6 +209,8 @@ class RolloutTree:
                 raise ValueError(f"tree {self.tree_id} already has a root")
         elif not 0 <= parent_id < node_id:
             raise ValueError(f"tree {self.tree_id}: parent_id {parent_id} does not exist (have {node_id} nodes)")
+        if fields.get("reward") is not None:
+            fields["reward"] = checked_reward(fields["reward"], f"tree {self.tree_id} node {node_id}")
         node = Node(node_id=node_id, parent_id=parent_id, **fields)
         self.nodes.append(node)
         return node

@@ -36,6 +36,7 @@ import torch
 
 from trace.config import UpdateConfig
 from trace.losses import clipped_surrogate_loss, kl_penalty_loss, sft_loss, token_logprobs
+from trace.policy.backends import mark_weights_updated, weights_version
 from trace.tree import Node, RolloutTree
 
 REFERENCE_POLICY_FILE = "reference_policy.pt"  # frozen KL reference, saved beside DeepSpeed's checkpoint
@@ -133,6 +134,13 @@ def _check_node(tree: RolloutTree, node: Node) -> None:
     if any(m not in (0, 1) for m in node.loss_mask):
         raise ValueError(f"tree {tree.tree_id!r} node {node.node_id}: loss_mask must hold only 0/1, got "
                          f"{sorted(set(node.loss_mask))}")
+    for idx, logprob in enumerate(node.logprobs):
+        if not math.isfinite(logprob):
+            kind = "generated" if node.loss_mask[idx] else "context (prompt or observation)"
+            raise ValueError(
+                f"tree {tree.tree_id!r} node {node.node_id}: logprobs[{idx}] = {logprob} on a {kind} token is "
+                "not finite; generated tokens need their sampling log-probability and every other token 0.0 "
+                "(fix the rollout's or the stored tree's logprobs)")
     if node.is_root and any(node.loss_mask):
         raise ValueError(f"tree {tree.tree_id!r}: the root (prompt) node has loss_mask 1 on "
                          f"{sum(node.loss_mask)} tokens; prompt tokens are never trained, set them to 0")
@@ -181,9 +189,9 @@ def build_training_batch(
 
     Raises:
         ValueError: on duplicate ``tree_id``, an empty tree, a node whose token_ids / logprobs / loss_mask
-            lengths differ, loss_mask 1 on the root, a missing or non-finite advantage on a node with
-            generated tokens, a generated token at position 0 (no context to predict it from), or
-            ``max_tokens < 2``.
+            lengths differ, a non-finite logprob on any token (trained or context), loss_mask 1 on the root,
+            a missing or non-finite advantage on a node with generated tokens, a generated token at position
+            0 (no context to predict it from), or ``max_tokens < 2``.
 
     References:
         Shared-prefix training with summed leaf advantages: DESIGN.md, "Tree-aware advantages and the
@@ -252,11 +260,6 @@ def build_training_batch(
         old_logprobs[b, :n] = torch.tensor(logprobs, dtype=torch.float32)
     positions = torch.arange(width, dtype=torch.long).expand(num_seqs, width)
     attention_mask = (positions < lengths.unsqueeze(1)).long()
-    bad = (loss_mask > 0) & ~torch.isfinite(old_logprobs)
-    if bad.any():
-        b, t = (int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"tree {sequence_ids[b][0]!r} leaf {sequence_ids[b][1]}: sampling logprob at token "
-                         f"{t} is not finite ({old_logprobs[b, t].item()}); fix the rollout's logprobs")
     return TrainingBatch(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=positions * attention_mask,
         loss_mask=loss_mask, advantages=advantages_t, old_logprobs=old_logprobs, lengths=lengths,
@@ -368,6 +371,12 @@ class PolicyUpdater:
 
     Every rank must call ``rl_step`` / ``sft_step`` / ``save_checkpoint`` / ``load_checkpoint`` together.
     After a step the module is left in eval mode, ready for generation.
+
+    After every optimizer step and every ``load_checkpoint`` the updater announces the new weights
+    (``trace.policy.backends.mark_weights_updated`` on ``self.module``, the policy module it was given), so
+    every generation backend serving that module drops or refreshes its cache before the next generation.
+    DeepSpeed's ZeRO-1/2/3 and bf16 steps write the weights through ``.data`` without touching the tensors'
+    version counters, so a backend could not tell from the tensors.
     """
 
     def __init__(self, model: torch.nn.Module, update_cfg: UpdateConfig, *, seed: int = 0,
@@ -417,6 +426,12 @@ class PolicyUpdater:
         return self.engine.device
 
     @property
+    def weights_version(self) -> int:
+        """Announced weight updates of the policy module (``trace.policy.backends.weights_version``): moves
+        after every optimizer step and checkpoint load."""
+        return weights_version(self.engine.module)
+
+    @property
     def num_optimizer_steps(self) -> int:
         """Optimizer steps taken so far (restored by ``load_checkpoint``)."""
         return int(self.engine.global_steps)
@@ -455,7 +470,8 @@ class PolicyUpdater:
         for micro in batch.micro_batches(self.cfg.micro_batch_size):
             micro = micro.to(self.device)
             logprobs = token_logprobs(self._logits(self.engine, micro), micro.input_ids, temperature)
-            logprobs = logprobs * micro.attention_mask
+            # select, not multiply: a non-finite value at a padding position would survive ``* 0``
+            logprobs = torch.where(micro.attention_mask.bool(), logprobs, 0.0)
             out[start:start + micro.num_sequences, :logprobs.shape[1]] = logprobs.cpu()
             start += micro.num_sequences
         return out
@@ -512,7 +528,7 @@ class PolicyUpdater:
         return micro
 
     def _optimizer_step(self) -> float:
-        """``engine.step()``; returns the global gradient norm before clipping."""
+        """``engine.step()``, then announce the new weights; returns the global gradient norm before clipping."""
         pre_clip_norm = None
         if self.engine.zero_optimization_stage() == 0 and not self.engine.bfloat16_enabled():
             # plain fp32 stage 0 clips with torch and does not report the norm; with several ranks this is
@@ -521,6 +537,7 @@ class PolicyUpdater:
             pre_clip_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])
                                                            )) if grads else 0.0
         self.engine.step()
+        mark_weights_updated(self.engine.module)
         norm = self.engine.get_global_grad_norm()
         if norm is None:
             norm = pre_clip_norm
@@ -673,6 +690,7 @@ class PolicyUpdater:
         if self.ref_model is not None and ref_path.is_file():
             self.ref_model.load_state_dict(torch.load(ref_path, map_location=self.device, weights_only=True))
         self.engine.eval()
+        mark_weights_updated(self.engine.module)
         return str(path)
 
 

@@ -23,7 +23,10 @@ Expansion rules (``plan_expansion``):
 - ``treepo``: ``treepo_width`` continuations at every anchor, shallowest turn depth first, until the budget
   is spent (TreePO, arXiv 2508.17445, fixed-width segment branching).
 
-``dapo`` is the one arm that may sample fewer: ``run_dapo`` reports what it left unspent.
+``dapo`` is the one arm that may sample fewer: ``run_dapo`` reports what it left unspent. When no sampled
+group is mixed within ``allocation.dapo_max_retries`` it raises ``NoMixedGroupError``, the one outcome a
+training step absorbs (the step then trains on nothing); every other error raised while sampling stops the
+run.
 
 A tree with no candidate anchors (every trajectory ended after one turn) hands its continuations to the
 trees of the same step that have anchors, in proportion to their budgets. If no tree has an anchor, the
@@ -49,6 +52,7 @@ __all__ = [
     "RootPlan",
     "ExpansionPlan",
     "DapoResult",
+    "NoMixedGroupError",
     "root_budget_for",
     "stage1_floor",
     "uniform_root_counts",
@@ -400,6 +404,24 @@ class DapoResult:
     unspent: int
 
 
+class NoMixedGroupError(RuntimeError):
+    """``run_dapo`` sampled no group with mixed rewards within its retries: the step has nothing to learn from.
+
+    Raised only for that outcome, so a caller can absorb it (``trace.loop.Trainer.step`` logs
+    ``dapo/no_mixed_group`` and trains on nothing) while every other error raised by the rollouts, such as a
+    ``trace.envs.qa.RetrieverError`` or ``torch.OutOfMemoryError``, still stops the run.
+
+    Attributes:
+        num_rounds: sampling rounds run (1 + retries used).
+        num_trajectories: trajectories sampled, all in all-equal groups.
+    """
+
+    def __init__(self, message: str, *, num_rounds: int, num_trajectories: int) -> None:
+        super().__init__(message)
+        self.num_rounds = num_rounds
+        self.num_trajectories = num_trajectories
+
+
 def run_dapo(rollout_fn: Callable[[np.ndarray, int], Sequence], num_candidates: int, group_size: int,
              trajectory_budget: int, max_retries: int, rng: np.random.Generator, *,
              target_groups: int | None = None) -> DapoResult:
@@ -430,7 +452,8 @@ def run_dapo(rollout_fn: Callable[[np.ndarray, int], Sequence], num_candidates: 
     Raises:
         ValueError: ``group_size < 2``, ``T < n``, ``target_groups`` outside ``[1, T // n]``, or ``rollout_fn``
             returned the wrong shapes.
-        RuntimeError: no sampled group had mixed rewards; names ``allocation.dapo_max_retries``.
+        NoMixedGroupError: no sampled group had mixed rewards; names ``allocation.dapo_max_retries``.
+        Whatever ``rollout_fn`` raises propagates unchanged.
 
     References:
         DAPO (arXiv 2503.14476), dynamic sampling: over-sample and filter out groups with accuracy 0 or 1.
@@ -471,11 +494,12 @@ def run_dapo(rollout_fn: Callable[[np.ndarray, int], Sequence], num_candidates: 
                 kept_rewards.append(rewards)
         want = target_groups - len(kept)
     if not kept:
-        raise RuntimeError(
+        raise NoMixedGroupError(
             f"dapo found no group with mixed rewards after {rounds} round(s): {spent} of {trajectory_budget} "
             f"trajectories over {cursor} of {num_candidates} candidates. Raise allocation.dapo_max_retries "
             "(more refill rounds), allocation.num_candidates or allocation.trajectory_budget, or start from a "
-            "policy whose success rate is between 0 and 1 on this task.")
+            "policy whose success rate is between 0 and 1 on this task.",
+            num_rounds=rounds, num_trajectories=spent)
     return DapoResult(kept_candidates=np.array(kept, dtype=np.int64), kept_rewards=kept_rewards,
                       sampled_candidates=order[:cursor].copy(), num_trajectories=spent, num_rounds=rounds,
                       unspent=trajectory_budget - spent)

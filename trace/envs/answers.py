@@ -190,15 +190,25 @@ def answer_f1(prediction: str, gold: str) -> float:
 def qa_scores(prediction: str, golds: Sequence[str]) -> tuple[float, float]:
     """Exact match and F1 of ``prediction`` against the best of ``golds`` (every alias).
 
+    An alias that normalises to the empty string (``""``, ``"The"``, ``"---"``) is no answer and is skipped,
+    and a prediction that normalises to the empty string (``""``, ``"a"``, ``"."``) scores 0: otherwise
+    ``finish[.]`` would exactly match the gold ``"The"``.
+
+    Args:
+        prediction: the policy's answer text.
+        golds: the gold aliases.
+
     Returns:
-        ``(em, f1)``: ``em`` is 1.0 when the normalised prediction equals some normalised alias, else 0.0;
-        ``f1`` is the maximum token F1 over aliases. Both 0.0 when ``golds`` is empty.
+        ``(em, f1)``: ``em`` is 1.0 when the normalised prediction equals some non-empty normalised alias,
+        else 0.0; ``f1`` is the maximum token F1 over those aliases. Both 0.0 when no alias is left or the
+        prediction normalises to the empty string.
     """
-    if not golds:
-        return 0.0, 0.0
     pred = normalize_answer(prediction)
-    em = 1.0 if any(pred == normalize_answer(g) for g in golds) else 0.0
-    f1 = max(answer_f1(prediction, g) for g in golds)
+    scorable = [g for g in golds if normalize_answer(g)]
+    if not scorable or not pred:
+        return 0.0, 0.0
+    em = 1.0 if any(pred == normalize_answer(g) for g in scorable) else 0.0
+    f1 = max(answer_f1(prediction, g) for g in scorable)
     return em, f1
 
 
@@ -326,6 +336,23 @@ def normalize_math_answer(text: str) -> str:
     return _fix_fracs(text)
 
 
+def is_empty_math_answer(text: str | None) -> bool:
+    """Whether a math answer holds nothing to compare: no number and an empty ``normalize_math_answer``.
+
+    ``""``, ``"$"``, ``"x ="``, ``"\\text{}"`` and ``"."`` are empty; ``"0"``, ``"x"`` and ``"\\frac{1}{2}"`` are
+    not. ``math_answers_match`` never matches an empty gold; loaders refuse such golds.
+
+    Args:
+        text: an answer string (``None`` is empty).
+
+    Returns:
+        True when the answer is empty.
+    """
+    if text is None:
+        return True
+    return parse_number(str(text)) is None and not normalize_math_answer(str(text))
+
+
 def math_answers_match(prediction: str | None, gold: str) -> bool:
     """Whether a predicted math answer equals the gold one.
 
@@ -335,7 +362,7 @@ def math_answers_match(prediction: str | None, gold: str) -> bool:
 
     Args:
         prediction: the policy's answer text (``None`` or empty never matches).
-        gold: the reference answer.
+        gold: the reference answer (an empty one, ``is_empty_math_answer``, never matches).
 
     Returns:
         True on a match.

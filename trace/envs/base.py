@@ -8,7 +8,9 @@ Contract (checked by ``trace.envs.checker.check_environment``):
 - ``reset(prompt)`` returns the initial ``EnvState`` and the opening user message.
 - ``step(state, action_text)`` returns a ``StepResult``. Exactly one of three cases:
   * not done: ``terminated = truncated = False``, ``reward = 0.0``, ``observation`` non-empty;
-  * terminated: the policy gave a final answer; ``reward`` is the verifier's score in ``[0, 1]``;
+  * terminated: the policy gave a final answer; ``reward`` is the verifier's score, a finite float in
+    the environment's declared ``reward_range`` (``(0.0, 1.0)`` for every task here; read it with
+    ``reward_range_of``);
   * truncated: the turn limit was reached without an answer; ``reward`` is 0.0 and must not be read as
     a verified failure of a completed attempt.
 - Stepping a finished state raises ``EpisodeFinishedError``.
@@ -18,6 +20,7 @@ Contract (checked by ``trace.envs.checker.check_environment``):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence, runtime_checkable
 
@@ -75,7 +78,7 @@ class StepResult:
     Attributes:
         state: the new state.
         observation: tool output appended to the context ("" when the episode ended).
-        reward: verifier reward in ``[0, 1]`` when terminated, else 0.0.
+        reward: verifier reward in the environment's ``reward_range`` when terminated, else 0.0.
         terminated: the policy gave a final answer.
         truncated: the turn limit was reached without a final answer.
         num_tool_calls: tool calls this step executed (0 or 1).
@@ -91,6 +94,9 @@ class StepResult:
     info: dict = field(default_factory=dict)
 
 
+DEFAULT_REWARD_RANGE = (0.0, 1.0)  # a binary / [0, 1] verifier: what an environment without a declaration gets
+
+
 @runtime_checkable
 class Environment(Protocol):
     """What the rollout engine needs from a task.
@@ -99,6 +105,11 @@ class Environment(Protocol):
         name: the data source name (``Prompt.data_source``).
         max_turns: turns after which an unfinished episode is truncated.
         observation_marker: the text that starts an observation; generation stops when the policy emits it.
+
+    An environment also declares ``reward_range = (low, high)``, the inclusive range of its terminal
+    rewards, after Gymnasium's ``Env.reward_range`` (a shaped verifier may declare e.g. ``(-1.0, 1.0)``);
+    it is read with ``reward_range_of``, which gives ``DEFAULT_REWARD_RANGE`` when it is missing, so it is
+    not a member ``isinstance`` requires.
     """
 
     name: str
@@ -124,6 +135,30 @@ class KnowsTrueSuccessProb(Protocol):
 
     def true_success_prob(self, state: EnvState) -> float:
         ...
+
+
+def reward_range_of(env: Any) -> tuple[float, float]:
+    """The inclusive range ``(low, high)`` of ``env``'s terminal rewards.
+
+    Args:
+        env: an environment; its ``reward_range`` attribute, or ``DEFAULT_REWARD_RANGE`` when it has none.
+
+    Returns:
+        ``(low, high)`` as floats.
+
+    Raises:
+        ValueError: if the declaration is not two finite numbers with ``low <= high`` (names the environment).
+    """
+    declared = getattr(env, "reward_range", DEFAULT_REWARD_RANGE)
+    try:
+        low, high = (float(v) for v in declared)
+    except (TypeError, ValueError):
+        raise ValueError(f"environment {getattr(env, 'name', env)!r} declares reward_range {declared!r}; "
+                         "declare two numbers (low, high), e.g. reward_range = (0.0, 1.0)") from None
+    if not (math.isfinite(low) and math.isfinite(high) and low <= high):
+        raise ValueError(f"environment {getattr(env, 'name', env)!r} declares reward_range {declared!r}; it needs "
+                         "finite low <= high, e.g. (0.0, 1.0)")
+    return low, high
 
 
 def continue_or_truncate(state: EnvState, num_turns: int, history: Any, observation: str, max_turns: int, *,

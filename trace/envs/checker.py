@@ -8,7 +8,8 @@ first violation. What it checks:
 - ``reset`` returns ``(EnvState, non-empty str)`` with ``num_turns == 0``, ``done == False`` and the prompt.
 - ``step`` returns a ``StepResult`` with valid types; its state has ``num_turns`` one higher and
   ``done == terminated or truncated``; never both ``terminated`` and ``truncated``.
-- ``reward`` is a finite number in ``[0, 1]`` and ``0.0`` unless terminated.
+- ``reward`` is a finite number in the environment's declared ``reward_range`` (``[0, 1]`` by default) and
+  ``0.0`` unless terminated.
 - ``observation`` is a non-empty string while the episode goes on.
 - stepping a finished state raises ``EpisodeFinishedError``.
 - every episode ends within ``max_turns`` turns (an unfinished episode is truncated at the limit).
@@ -29,7 +30,7 @@ from typing import Any, NoReturn, Sequence
 
 import numpy as np
 
-from trace.envs.base import Environment, EnvState, EpisodeFinishedError, Prompt, StepResult
+from trace.envs.base import Environment, EnvState, EpisodeFinishedError, Prompt, StepResult, reward_range_of
 
 LONG_ACTION_CHARS = 20_000
 
@@ -154,8 +155,9 @@ def _check_step(env: Environment, state: EnvState, action: str) -> StepResult:
     reward = result.reward
     if isinstance(reward, (bool, np.bool_)) or not isinstance(reward, numbers.Real):
         _fail(f"reward must be a real number, got {type(reward).__name__}", **ctx)
-    if not math.isfinite(float(reward)) or not 0.0 <= float(reward) <= 1.0:
-        _fail(f"reward {reward!r} is outside [0, 1]", **ctx)
+    low, high = reward_range_of(env)
+    if not math.isfinite(float(reward)) or not low <= float(reward) <= high:
+        _fail(f"reward {reward!r} is outside [{low:g}, {high:g}], the environment's reward_range", **ctx)
     if not result.terminated and float(reward) != 0.0:
         _fail(f"reward {reward!r} on a step that did not terminate; rewards are 0.0 unless terminated", **ctx)
     if not isinstance(result.observation, str):

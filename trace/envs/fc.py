@@ -26,7 +26,9 @@ Scoring (reward 1.0 or 0.0):
   ``parallel*`` the same number of calls as the answer, matched in any order. ``irrelevance`` rewards
   ``finish[]`` (no call); ``live_relevance`` rewards any parsed call. Deviations from BFCL: parallel calls
   are matched by a full one-to-one assignment (BFCL matches greedily, which can miss a valid assignment),
-  and element types inside lists also accept ``int`` for ``float``.
+  element types inside lists also accept ``int`` for ``float``, and a string that standardisation would
+  erase entirely (``""``, ``"."``, ``","``) is compared as written (``comparable_string``): in BFCL the gold
+  delimiter ``","`` standardises to ``""`` and so matches ``delimiter="."`` or ``delimiter=""``.
 - API-Bank: exactly one call, the gold API name, the same argument names, and every value equal to the gold
   one after the same string standardisation (API-Bank's gold values are strings: ``'1'`` equals ``1`` and
   ``['a', 'b']`` equals ``"['a', 'b']"``).
@@ -197,8 +199,26 @@ def standardize_string(text: str) -> str:
     return re.sub(r"[ ,./\-_*^]", "", text).lower().replace("'", '"')
 
 
+def comparable_string(text: str) -> str:
+    """The form strings are compared in: ``standardize_string``, unless it would erase the whole string.
+
+    A string made only of spaces and ``,./-_*^`` (``""``, ``"."``, ``","``) keeps its written form (behind a
+    NUL, so it never equals a standardised string): an empty or punctuation-only answer then matches only
+    the same text, never a different one that standardisation would also erase. An explicit ``""`` still
+    equals BFCL's optional marker ``""``.
+
+    Args:
+        text: a gold or predicted string value.
+
+    Returns:
+        The comparison key.
+    """
+    standardized = standardize_string(text)
+    return standardized if standardized else "\x00" + text
+
+
 def _standardize_items(values: list) -> list:
-    return [standardize_string(v) if isinstance(v, str) else v for v in values]
+    return [comparable_string(v) if isinstance(v, str) else v for v in values]
 
 
 def _answer_type(possible: list) -> type | None:
@@ -219,7 +239,7 @@ def _dict_matches(value: dict, possible_dicts: list) -> str | None:
             if key not in candidate:
                 bad = f"unexpected dict key {key!r}"
                 break
-            item_std = standardize_string(item) if isinstance(item, str) else item
+            item_std = comparable_string(item) if isinstance(item, str) else item
             if item_std not in _standardize_items(list(candidate[key])):
                 bad = f"invalid value {item!r} for dict key {key!r}"
                 break
@@ -286,7 +306,7 @@ def _check_argument(param: str, value: Any, spec: dict, possible: list) -> str |
         if expected is list and nested is dict:
             return _list_of_dicts_matches(value, possible)
         if expected is str:
-            if standardize_string(value) not in [standardize_string(p) for p in possible if isinstance(p, str)]:
+            if comparable_string(value) not in [comparable_string(p) for p in possible if isinstance(p, str)]:
                 return f"argument {param!r}: {value!r} is not one of {possible!r}"
             return None
         if expected is list:
@@ -408,13 +428,13 @@ def _api_bank_canonical(value: Any) -> str:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     text = value if isinstance(value, str) else repr(value)
-    return standardize_string(text)
+    return comparable_string(text)
 
 
 def check_api_bank_calls(calls: Sequence[FunctionCall], ground_truth: Sequence[dict]) -> CallCheck:
     """Score an API-Bank level-1 answer: one call, the gold name, the same argument names and values.
 
-    Values are compared as standardised strings (``standardize_string`` of the value, or of its ``repr``
+    Values are compared as standardised strings (``comparable_string`` of the value, or of its ``repr``
     when it is not a string), since API-Bank's gold values are the strings of ``API-Request: [...]``.
 
     Args:
@@ -558,11 +578,13 @@ class FunctionCallingEnvironment:
         name: the data source (``"bfcl"`` or ``"api_bank"``).
         max_turns: turns after which an episode without a parsed call or ``finish`` is truncated.
         observation_marker: ``"Observation:"``.
+        reward_range: ``(0.0, 1.0)``: 1.0 for a call (or no call) the checker accepts, else 0.0.
         max_call_chars: longest accepted ``call[...]`` text, in characters.
         max_doc_chars: longest description shown per function / parameter, in characters.
     """
 
     observation_marker = OBSERVATION_MARKER
+    reward_range = (0.0, 1.0)
 
     def __init__(self, name: str = "bfcl", *, max_turns: int = 3, max_call_chars: int = 4000,
                  max_doc_chars: int = 160) -> None:

@@ -106,12 +106,14 @@ class KGQAEnvironment:
         name: ``"kgqa"``.
         max_turns: turns after which an unfinished episode is truncated.
         observation_marker: ``"Observation:"``.
+        reward_range: ``(0.0, 1.0)``: 1.0 for the answer entity, else 0.0.
         cfg: the ``KGQAConfig`` the graph and questions were generated from.
         seed: the generation seed.
     """
 
     name = DATA_SOURCE
     observation_marker = OBSERVATION_MARKER
+    reward_range = (0.0, 1.0)
 
     def __init__(self, cfg: KGQAConfig, *, seed: int = 0, max_turns: int = 5) -> None:
         """Generate the graph and the train/eval questions.

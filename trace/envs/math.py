@@ -18,7 +18,8 @@ a thought and one action, and generation stops at ``Observation:``::
   once. Model text is never passed to ``eval``.
 - ``finish[answer]``: ends the episode; reward 1.0 when the answer equals the gold one
   (``answers.math_answers_match``: exact fractions for numbers, so ``1,234`` / ``1234.0`` / ``$1234`` match
-  1234 and ``12345`` does not; MATH string normalisation otherwise), else 0.0.
+  1234 and ``12345`` does not; MATH string normalisation otherwise), else 0.0. A gold with no number and
+  nothing left after normalisation (``answers.is_empty_math_answer``) is refused at ``reset``.
 - A turn with no ``Action:`` but a ``\\boxed{...}`` is a final answer (the box's content). An explicit
   action takes precedence over a box in the thought.
 - Empty turns, unknown tools, ``calculate[]`` / ``finish[]`` with nothing inside give an
@@ -39,7 +40,8 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Sequence
 
-from trace.envs.answers import ActionError, extract_boxed, math_answers_match, parse_action, parse_number
+from trace.envs.answers import (ActionError, extract_boxed, is_empty_math_answer, math_answers_match, parse_action,
+                                parse_number)
 from trace.envs.base import EnvState, EpisodeFinishedError, Prompt, StepResult, continue_or_truncate
 
 OBSERVATION_MARKER = "Observation:"
@@ -232,11 +234,13 @@ class MathEnvironment:
         name: the data source (``"gsm8k"``, ``"math"`` or ``"aime_amc"``).
         max_turns: turns after which an unfinished episode is truncated.
         observation_marker: ``"Observation:"``.
+        reward_range: ``(0.0, 1.0)``: 1.0 for an answer equal to the gold one, else 0.0.
         max_expression_chars: longest calculator expression, in characters.
         max_bits: largest calculator number, in bits.
     """
 
     observation_marker = OBSERVATION_MARKER
+    reward_range = (0.0, 1.0)
 
     def __init__(self, name: str = "gsm8k", *, max_turns: int = 5, max_expression_chars: int = 200,
                  max_bits: int = 1024) -> None:
@@ -265,11 +269,14 @@ class MathEnvironment:
         """Start an episode; the user message is the instructions and the problem.
 
         Raises:
-            ValueError: if the prompt belongs to another data source or has no gold answer.
+            ValueError: if the prompt belongs to another data source or has no gold answer (none, or one with
+                no number and nothing left after normalisation: ``answers.is_empty_math_answer``).
         """
-        if prompt.data_source != self.name or prompt.answer in (None, ""):
+        if prompt.data_source != self.name or prompt.answer is None \
+                or is_empty_math_answer(canonical_answer(prompt.answer)):
             raise ValueError(f"prompt {prompt.prompt_uid!r} is not a {self.name} problem with an answer "
-                             f"(data_source {prompt.data_source!r}); load it with trace.data.load_prompts")
+                             f"(data_source {prompt.data_source!r}, answer {prompt.answer!r}); load it with "
+                             "trace.data.load_prompts")
         return EnvState(prompt=prompt, num_turns=0, done=False, data=()), f"{INSTRUCTIONS}\nProblem: {prompt.question}"
 
     def step(self, state: EnvState, action_text: str) -> StepResult:

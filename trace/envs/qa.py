@@ -13,7 +13,8 @@ thought and one action, and generation stops at ``Observation:``::
   characters). The observation lists the top-``top_k`` passages as ``Doc i (Title: t) text``, each text cut
   to ``max_passage_chars`` characters, or ``No results for 'query'.``
 - ``finish[answer]``: ends the episode; reward 1.0 when the answer matches any gold alias exactly after the
-  official HotpotQA normalisation (lowercase, no punctuation, no a/an/the, single spaces), else 0.0.
+  official HotpotQA normalisation (lowercase, no punctuation, no a/an/the, single spaces), else 0.0. An
+  answer or alias that normalises to the empty string (``finish[.]``, the alias ``"The"``) never matches.
   ``info`` carries ``em`` and ``f1`` (the best token F1 over aliases).
 - Empty turns, text without an action, unknown tools, ``search[]`` and ``finish[]`` give an
   ``Invalid action: ...`` observation and the episode goes on; the turn that reaches ``max_turns`` without
@@ -49,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
-from trace.envs.answers import ActionError, parse_action, qa_scores
+from trace.envs.answers import ActionError, normalize_answer, parse_action, qa_scores
 from trace.envs.base import EnvState, EpisodeFinishedError, Prompt, StepResult, continue_or_truncate
 
 OBSERVATION_MARKER = "Observation:"
@@ -305,12 +306,21 @@ def _cut(text: str, max_chars: int) -> str:
 
 
 def gold_aliases(answer: Any) -> list[str]:
-    """The gold answers of a QA prompt as a list of strings (a string becomes a one-item list)."""
+    """The gold answers of a QA prompt that exact match can score, as a list of strings.
+
+    A string becomes a one-item list. An alias that normalises to the empty string (``normalize_answer``:
+    ``""``, ``"The"``, ``")"``, ``"---"``) is left out: it is no answer, and ``finish[.]`` would match it.
+
+    Args:
+        answer: the prompt's gold answer: a string, a list of aliases, or ``None``.
+
+    Returns:
+        The scorable aliases in their original spelling and order (empty when none is left).
+    """
     if answer is None:
         return []
-    if isinstance(answer, (list, tuple)):
-        return [str(a) for a in answer if str(a).strip()]
-    return [str(answer)] if str(answer).strip() else []
+    aliases = answer if isinstance(answer, (list, tuple)) else [answer]
+    return [str(a) for a in aliases if normalize_answer(str(a))]
 
 
 class QAEnvironment:
@@ -320,6 +330,7 @@ class QAEnvironment:
         name: the data source (``"hotpotqa"``, ``"musique"``, ``"2wikimultihopqa"``, ``"bamboogle"``, ``"nq"``).
         max_turns: turns after which an unfinished episode is truncated.
         observation_marker: ``"Observation:"``.
+        reward_range: ``(0.0, 1.0)``: exact match, 1.0 or 0.0 (F1 is reported in ``info``, not rewarded).
         retriever: the search backend.
         top_k: passages per search.
         max_query_chars: longest query, in characters (longer ones are cut).
@@ -327,6 +338,7 @@ class QAEnvironment:
     """
 
     observation_marker = OBSERVATION_MARKER
+    reward_range = (0.0, 1.0)
 
     def __init__(self, name: str, retriever: Retriever, *, max_turns: int = 5, top_k: int = 3,
                  max_query_chars: int = 200, max_passage_chars: int = 400) -> None:
@@ -351,11 +363,13 @@ class QAEnvironment:
         """Start an episode: instructions, then the question.
 
         Raises:
-            ValueError: if the prompt belongs to another data source or has no gold answer.
+            ValueError: if the prompt belongs to another data source or has no gold answer that exact match
+                can score (every alias normalises to the empty string).
         """
         if prompt.data_source != self.name or not gold_aliases(prompt.answer):
             raise ValueError(f"prompt {prompt.prompt_uid!r} is not a {self.name} question with an answer "
-                             f"(data_source {prompt.data_source!r}); load it with trace.data.load_prompts")
+                             f"(data_source {prompt.data_source!r}, answer {prompt.answer!r}; an alias needs a word "
+                             "left after normalisation); load it with trace.data.load_prompts")
         return (EnvState(prompt=prompt, num_turns=0, done=False, data=()),
                 f"{_instructions(self.top_k)}\nQuestion: {prompt.question}")
 

@@ -111,12 +111,14 @@ class SimulatorEnvironment:
         name: ``"simulator"``.
         max_turns: ``cfg.max_turns``; every trajectory terminates at its prompt's ``T <= max_turns``.
         observation_marker: ``"Observation:"``.
+        reward_range: ``(0.0, 1.0)``: the terminal reward is ``Bernoulli(V_T)``.
         cfg: the ``SimulatorConfig``.
         seed: seed of the prompts and of the environment's hashed step randomness.
     """
 
     name = DATA_SOURCE
     observation_marker = OBSERVATION_MARKER
+    reward_range = (0.0, 1.0)
 
     def __init__(self, cfg: SimulatorConfig, *, seed: int = 0, num_eval: int | None = None) -> None:
         """Draw the prompts' latent success probabilities and turn counts.

@@ -15,20 +15,72 @@ tool observation between turns (``model.generate`` handles that badly, STACK.md)
   prefilled once and their KV is expanded to the copies by an index select.
 - The KV of every sequence of the previous call is kept. A new prefix that extends a kept sequence (the same
   trajectory after its tool observation was appended) feeds only the new tokens; the kept KV is dropped
-  when the model's weights change (an in-place optimizer step) or on ``clear_cache()``. Kept rows are
-  repacked to their real slots, so padding holes do not accumulate from turn to turn.
+  when the model's weights version moves (``mark_weights_updated``, which ``trace.update.PolicyUpdater``
+  calls after every optimizer step) or on ``clear_cache()``. Kept rows are repacked to their real slots, so
+  padding holes do not accumulate from turn to turn.
 - Finished sequences are dropped from the working batch once enough of them accumulate.
-- Each request samples from its own ``torch.Generator`` seeded from (call seed, request index): the same
-  model, prefixes and seed give the same tokens, whatever the batch size, chunking or prefix sharing.
+- Each request samples from its own ``torch.Generator`` seeded with the request's own seed (``request_seeds``:
+  one seed per request, which the rollout engine derives from each trajectory's identity, or
+  ``request_seed(seed, index)`` for one call seed): the same model, prefix and seed give the same tokens,
+  whatever the rest of the batch, its order, the chunking or the prefix sharing.
+
+Weight updates are announced, never inferred: ``weights_version(model)`` counts the ``mark_weights_updated``
+calls on a model, and every backend compares it with the version its cached KV (or, for vLLM, its engine
+weights) was computed under. The parameters' in-place version counters cannot serve: DeepSpeed's ZeRO-1, 2
+and 3 steps and its bf16 steps write the weights through ``.data``, which leaves those counters unchanged.
 Logits from cached and expanded KV match a full recompute without cache within about 1e-6 (float32).
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, Sequence, runtime_checkable
 
 FinishKind = Literal["stop", "eos", "length"]
+SEED_LIMIT = 1 << 63  # request seeds lie in [0, SEED_LIMIT): what torch and vLLM generators accept
+
+# model -> number of announced weight updates (held weakly: a model's entry goes when the model does)
+_WEIGHTS_VERSIONS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def weights_version(model: Any) -> int:
+    """How many weight updates of ``model`` have been announced with ``mark_weights_updated`` (0 if none).
+
+    Backends compare it with the version their cached state was computed under: a different value means the
+    cache (HF kept KV, vLLM engine weights and prefix cache) belongs to older weights.
+
+    Args:
+        model: the policy module (``torch.nn.Module``; under DeepSpeed, ``engine.module``, the same object).
+
+    Returns:
+        The count, >= 0.
+    """
+    return _WEIGHTS_VERSIONS.get(model, 0)
+
+
+def mark_weights_updated(model: Any) -> int:
+    """Announce that ``model``'s weights changed: every backend serving it refreshes before its next generation.
+
+    ``trace.update.PolicyUpdater`` calls it after every optimizer step and checkpoint load; any other code that
+    writes a policy's weights (``load_state_dict``, edits through ``.data``) must call it too.
+
+    Args:
+        model: the policy module whose weights changed.
+
+    Returns:
+        The new ``weights_version(model)``.
+
+    Raises:
+        TypeError: ``model`` cannot be referenced weakly (pass the ``torch.nn.Module`` itself).
+    """
+    try:
+        version = _WEIGHTS_VERSIONS.get(model, 0) + 1
+        _WEIGHTS_VERSIONS[model] = version
+    except TypeError as err:
+        raise TypeError(f"mark_weights_updated needs the policy module (a torch.nn.Module), got "
+                        f"{type(model).__name__}, which cannot be tracked: {err}") from err
+    return version
 
 
 @dataclass
@@ -39,8 +91,9 @@ class Generation:
         token_ids: (N,) generated token ids, including the stop token / EOS that ended the generation.
         logprobs: (N,) log-probabilities in nats of ``token_ids`` under the sampling distribution (after
             temperature and top-p renormalisation; see ``sample_tokens``).
-        finish: ``"stop"`` (a stop token or stop string was produced), ``"eos"`` (an EOS token), or
-            ``"length"`` (``max_new_tokens`` reached without either).
+        finish: ``"stop"`` (a stop token or stop string was produced), ``"eos"`` (an EOS token: the
+            rollout engine ends the episode there, ``trace.rollout``), or ``"length"`` (``max_new_tokens``
+            reached without either). EOS takes precedence over a stop token, a stop token over a stop string.
     """
 
     token_ids: list[int] = field(default_factory=list)
@@ -61,7 +114,7 @@ class GenerationBackend(Protocol):
         top_p: float = 1.0,
         stop_token_ids: Sequence[int] = (),
         stop_strings: Sequence[str] = (),
-        seed: int = 0,
+        seed: int | Sequence[int] = 0,
     ) -> list[Generation]:
         """Sample one continuation per prefix.
 
@@ -70,10 +123,14 @@ class GenerationBackend(Protocol):
             max_new_tokens: most tokens per continuation, one int for all or B ints (>= 0).
             temperature: > 0 samples from ``softmax(logits / temperature)``; 0 is greedy.
             top_p: nucleus mass in (0, 1].
-            stop_token_ids: tokens that end a continuation (finish ``"stop"``); kept in ``token_ids``.
+            stop_token_ids: tokens that end a continuation (finish ``"stop"``); kept in ``token_ids``. EOS
+                (the tokenizer's and the model's generation-config EOS ids) always ends one too, with
+                finish ``"eos"``, also kept in ``token_ids``.
             stop_strings: texts that end a continuation once its decoded tail contains them (finish
                 ``"stop"``); the token that completes the text is kept.
-            seed: sampling seed; equal inputs and seed give equal outputs.
+            seed: B ints in [0, 2**63), one random stream per request (``request_seeds``), or one int for the
+                call (request ``i`` then uses ``request_seed(seed, i)``). A request's tokens depend only on the
+                model, its prefix, the sampling arguments and its seed, never on the other requests.
 
         Returns:
             B ``Generation`` in the order of ``prefixes``.
@@ -81,7 +138,7 @@ class GenerationBackend(Protocol):
         ...
 
     def clear_cache(self) -> None:
-        """Forget any state kept between calls (call after the policy's weights change)."""
+        """Make sure no state computed under older weights serves the next call (see ``weights_version``)."""
         ...
 
 
@@ -138,6 +195,33 @@ def request_seed(seed: int, request_idx: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
     return (z ^ (z >> 31)) >> 1
+
+
+def request_seeds(seed: int | Sequence[int], num_requests: int) -> list[int]:
+    """The sampling seed of each request of a ``generate`` call.
+
+    Args:
+        seed: ``num_requests`` per-request seeds in [0, 2**63), used as given; or one int, the call seed,
+            from which request ``i`` gets ``request_seed(seed, i)`` (a stream tied to its position in the call).
+        num_requests: B >= 0.
+
+    Returns:
+        B ints in [0, 2**63).
+
+    Raises:
+        ValueError: a per-request sequence whose length is not B, or a per-request seed outside [0, 2**63).
+    """
+    if not hasattr(seed, "__len__"):
+        return [request_seed(int(seed), idx) for idx in range(num_requests)]
+    seeds = [int(s) for s in seed]
+    if len(seeds) != num_requests:
+        raise ValueError(f"seed has {len(seeds)} per-request entries for {num_requests} prefixes; pass one seed "
+                         "per prefix or a single int")
+    for idx, value in enumerate(seeds):
+        if not 0 <= value < SEED_LIMIT:
+            raise ValueError(f"seed[{idx}]={value} is outside [0, 2**63); derive per-request seeds with "
+                             "request_seed or numpy's SeedSequence (63 bits)")
+    return seeds
 
 
 def continuation_logprobs(model: Any, prefix_ids: Sequence[int], continuation_ids: Sequence[int],
@@ -268,10 +352,6 @@ class HFBackend:
         """Drop the KV kept from the previous call."""
         self._kept, self._kept_index, self._kept_version = [], {}, None
 
-    def _weights_version(self) -> int:
-        # in-place updates (optimizer steps, load_state_dict) bump every touched parameter's version counter
-        return int(sum(p._version for p in self.model.parameters()))
-
     def _find_kept(self, prefix: Sequence[int]) -> tuple[int, int, int] | None:
         """Longest kept row whose tokens are a proper prefix of ``prefix``: ``(block, row, length)``."""
         if not self._kept_index:
@@ -297,12 +377,16 @@ class HFBackend:
         top_p: float = 1.0,
         stop_token_ids: Sequence[int] = (),
         stop_strings: Sequence[str] = (),
-        seed: int = 0,
+        seed: int | Sequence[int] = 0,
     ) -> list[Generation]:
         """Sample one continuation per prefix (``GenerationBackend.generate``).
 
+        Kept KV of the previous call is used only while ``weights_version(model)`` is the one it was computed
+        under.
+
         Raises:
-            ValueError: an empty prefix, a negative ``max_new_tokens``, or a length mismatch.
+            ValueError: an empty prefix, a negative ``max_new_tokens``, a length mismatch, or bad per-request
+                seeds (``request_seeds``).
         """
         import torch
 
@@ -315,11 +399,12 @@ class HFBackend:
                 raise ValueError(f"prefixes[{idx}] is empty: every prefix needs at least one token (e.g. BOS)")
             if budget < 0:
                 raise ValueError(f"max_new_tokens[{idx}]={budget} must be >= 0")
-        if self._kept and self._kept_version != self._weights_version():
+        seeds = request_seeds(seed, num)
+        if self._kept and self._kept_version != weights_version(self.model):
             self.clear_cache()
         device = next(self.model.parameters()).device
         # one random stream per request: its tokens do not depend on batching, chunking or prefix sharing
-        generators = [torch.Generator(device=device).manual_seed(request_seed(seed, idx)) for idx in range(num)]
+        generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
         results: list[Generation | None] = [None] * num
         # group identical prefixes (first-occurrence order) so each is prefilled once
         groups: dict[tuple[int, ...], list[int]] = {}
@@ -354,7 +439,7 @@ class HFBackend:
             for block_idx, block in enumerate(new_kept):
                 for row, tokens in enumerate(block.token_ids):
                     self._kept_index[(len(tokens), _hash_extend(0, tokens))] = (block_idx, row)
-            self._kept_version = self._weights_version()
+            self._kept_version = weights_version(self.model)
         else:
             self.clear_cache()
         return [r if r is not None else Generation() for r in results]

@@ -10,8 +10,9 @@ semantics of every argument), with vLLM doing the batching, paging and KV reuse:
 - Stop criteria: ``stop_token_ids`` and ``stop_strings`` (the marker that ends a turn before its tool
   observation); the token that ends a turn is kept in ``token_ids``, as in ``HFBackend``. ``finish`` is
   derived from the tokens with the same precedence as ``HFBackend`` (EOS, then stop token, then stop string,
-  then length), not from vLLM's ``finish_reason`` (which checks the length limit before nothing else but EOS
-  and stop tokens and does not tell EOS from a generation-config stop id).
+  then length), not from vLLM's ``finish_reason`` alone (which does not tell EOS from a generation-config
+  stop id); a completion cut at the engine's length limit is ``"length"``, never ``"eos"``, since the
+  rollout engine ends the episode at an EOS (``trace.rollout``).
 - Log-probabilities: vLLM returns *raw* log-probabilities by default (``log_softmax`` of the unscaled logits,
   before temperature and top-p), which are not the probabilities the tokens were drawn with. The engines are
   started with ``logprobs_mode="processed_logprobs"`` (``ModelConfig.logprobs_mode`` in vLLM 0.32): the
@@ -20,16 +21,17 @@ semantics of every argument), with vLLM doing the batching, paging and KV reuse:
   get ``log_softmax(logits)``, also as in ``HFBackend``. One sampled-token logprob per step is requested
   (``SamplingParams.logprobs=0``). On CUDA, vLLM's FlashInfer top-p kernel cannot return processed logprobs,
   but every request here carries its own seed, which routes sampling to vLLM's PyTorch path that can.
-- Seeds: request ``i`` of a call with ``seed`` samples with ``request_seed(seed, i)``, so outputs do not
+- Seeds: every request carries its own seed (``request_seeds``: the per-request seeds the rollout engine
+  derives from each trajectory's identity, or ``request_seed(seed, i)`` for one call seed), so outputs do not
   depend on batch composition or on which data-parallel replica served the request. The random streams are
   vLLM's own, so sampled tokens differ from ``HFBackend``'s for the same seed (their distributions agree).
 - Weights follow the policy: with ``source_model`` set, every ``generate`` and ``clear_cache`` compares the
-  policy's parameter version counters (bumped by every in-place optimizer step or ``load_state_dict``) with
-  those of the last push; on a change the weights are written to a safetensors file and every engine worker
-  reloads them in place (``collective_rpc("reload_weights", weights_path=...)``), then the prefix cache is
-  reset, so KV computed by an old policy never serves a new one. ``refresh_weights`` does the same on
-  demand (e.g. with ``PolicyUpdater.policy_state_dict()`` under ZeRO-3, whose partitioned parameters cannot
-  be read directly).
+  policy's announced weights version (``trace.policy.backends.weights_version``, moved by
+  ``mark_weights_updated``, which ``PolicyUpdater`` calls after every optimizer step) with that of the last
+  push; when it moved, the weights are written to a safetensors file and every engine worker reloads them in
+  place (``collective_rpc("reload_weights", weights_path=...)``), then the prefix cache is reset, so KV
+  computed by an old policy never serves a new one. Under ZeRO-3 the pushed weights are the gathered full
+  ones (``weights_fn=updater.policy_state_dict``). ``refresh_weights`` does the same on demand.
 - Parallelism: ``tensor_parallel_size`` GPUs per engine; ``data_parallel_size`` independent engine replicas,
   each started with its own slice of ``CUDA_VISIBLE_DEVICES`` (a single ``vllm.LLM`` refuses
   ``data_parallel_size > 1`` in one process). Requests are routed so that a sequence that extends one served
@@ -51,7 +53,7 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from trace.policy.backends import Generation, request_seed
+from trace.policy.backends import Generation, request_seeds, weights_version
 from typing import Any
 
 VLLM_LOGPROBS_MODE = "processed_logprobs"  # logprobs of the sampling distribution (after temperature, top-p)
@@ -62,16 +64,6 @@ _MAX_AFFINITY_ENTRIES = 1_000_000  # routing memory of served sequences (data pa
 def vllm_available() -> bool:
     """Whether the ``vllm`` package (CUDA wheel or the CPU build) is importable in this environment."""
     return importlib.util.find_spec("vllm") is not None
-
-
-def weights_version(model: Any) -> int:
-    """Sum of the parameters' in-place version counters: changes whenever any weight is updated in place.
-
-    Optimizer steps, ``load_state_dict`` and ``copy_`` all bump ``Tensor._version``. Under DeepSpeed ZeRO-3 a
-    module parameter is an empty placeholder and its shard (``ds_tensor``) is what the optimizer updates, so
-    the shard's counter is used.
-    """
-    return int(sum(getattr(p, "ds_tensor", p)._version for p in model.parameters()))
 
 
 def _is_zero3_partitioned(model: Any) -> bool:
@@ -271,8 +263,9 @@ class VLLMBackend:
         model_path: folder with the Hugging Face model (``config.json``, safetensors) and its tokenizer.
         settings: ``VLLMEngineSettings`` (parallel sizes, memory share, dtype, lengths).
         source_model: the policy being trained (a ``torch.nn.Module`` with the same parameter names); its
-            in-place updates are pushed to the engines before the next generation. ``None``: weights change
-            only through ``refresh_weights``.
+            announced updates (``mark_weights_updated``, done by ``PolicyUpdater`` after every optimizer
+            step) are pushed to the engines before the next generation. ``None``: weights change only
+            through ``refresh_weights``.
         weights_fn: returns the full state dict to push (default ``source_model.state_dict()``); required
             when ``source_model`` is partitioned by ZeRO-3, e.g. ``updater.policy_state_dict`` (a collective:
             every rank must reach the refresh together).
@@ -331,7 +324,7 @@ class VLLMBackend:
             settings: engine settings; default ``VLLMEngineSettings()``. ``dtype="auto"`` becomes the policy's
                 parameter dtype (vLLM's own "auto" would run a float32 checkpoint in 16-bit).
             workdir: folder for the saved policy and pushed weights (default: a new temporary folder).
-            track_weights: push the policy's in-place updates before each generation (``source_model``).
+            track_weights: push the policy's announced updates before each generation (``source_model``).
             weights_fn: see ``VLLMBackend``.
 
         Raises:
@@ -418,7 +411,11 @@ class VLLMBackend:
         self.stats["weight_refreshes"] += 1
 
     def sync_weights(self) -> bool:
-        """Push the source model's weights if they changed since the last push; returns whether it pushed."""
+        """Push the source model's weights if its ``weights_version`` moved since the last push.
+
+        Returns:
+            Whether it pushed (and reset the prefix cache).
+        """
         if self.source_model is None or weights_version(self.source_model) == self._synced_version:
             return False
         self.refresh_weights()
@@ -463,14 +460,32 @@ class VLLMBackend:
             stop_token_ids=stop_token_ids or None, stop=stop_strings or None, include_stop_str_in_output=True,
             skip_special_tokens=False, detokenize=bool(stop_strings), logprobs=0)
 
-    def _finish(self, token_ids: list[int], stop_ids: frozenset[int], stop_reason: Any, budget: int) -> str:
+    def _finish(self, token_ids: list[int], stop_ids: frozenset[int], stop_reason: Any, budget: int,
+                finish_reason: str | None = None) -> str:
+        """``Generation.finish`` of one vLLM completion, with ``HFBackend``'s precedence.
+
+        ``"eos"`` ends the episode in the rollout engine, so it is returned only for an EOS: the last token
+        is one of ``eos_token_ids``, or vLLM stopped on a token of its own (an EOS id of the model's
+        generation config) that is neither a requested stop token nor a stop string. A completion cut at
+        the engine's length limit (``max_tokens`` or ``max_model_len``) is ``"length"``.
+
+        Args:
+            token_ids: the generated ids.
+            stop_ids: the call's ``stop_token_ids``.
+            stop_reason: vLLM's ``CompletionOutput.stop_reason`` (``None``, a token id or the stop string).
+            budget: the request's ``max_new_tokens``.
+            finish_reason: vLLM's ``CompletionOutput.finish_reason`` (``"stop"``, ``"length"``, ...).
+
+        Returns:
+            ``"eos"``, ``"stop"`` or ``"length"``.
+        """
         if token_ids and token_ids[-1] in self.eos_token_ids:
             return "eos"
         if token_ids and token_ids[-1] in stop_ids:
             return "stop"
         if isinstance(stop_reason, str):
             return "stop"
-        if len(token_ids) >= budget:
+        if len(token_ids) >= budget or finish_reason == "length":
             return "length"
         return "eos"  # vLLM stopped on an EOS id of the model's generation config outside eos_token_ids
 
@@ -483,7 +498,7 @@ class VLLMBackend:
         top_p: float = 1.0,
         stop_token_ids: Sequence[int] = (),
         stop_strings: Sequence[str] = (),
-        seed: int = 0,
+        seed: int | Sequence[int] = 0,
     ) -> list[Generation]:
         """Sample one continuation per prefix (``GenerationBackend.generate``).
 
@@ -491,8 +506,8 @@ class VLLMBackend:
         replicas (one thread per replica while the engines work in their own processes).
 
         Raises:
-            ValueError: an empty prefix, a negative ``max_new_tokens``, a length mismatch, ``temperature < 0``
-                or ``top_p`` outside (0, 1].
+            ValueError: an empty prefix, a negative ``max_new_tokens``, a length mismatch, ``temperature < 0``,
+                ``top_p`` outside (0, 1], or bad per-request seeds (``request_seeds``).
         """
         from vllm.inputs import TokensPrompt
 
@@ -509,6 +524,7 @@ class VLLMBackend:
             raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p={top_p} must be in (0, 1]")
+        seeds = request_seeds(seed, num)
         self.sync_weights()
         stop_ids = frozenset(int(t) for t in stop_token_ids)
         stop_list, strings = sorted(stop_ids), [str(s) for s in stop_strings]
@@ -525,7 +541,7 @@ class VLLMBackend:
                 return []
             prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in prefixes[idx]]) for idx in members]
             params = [self._sampling_params(budgets[idx], temperature, top_p, stop_list, strings,
-                                            request_seed(seed, idx) if temperature > 0 else None)
+                                            seeds[idx] if temperature > 0 else None)
                       for idx in members]
             return self.engines[replica].generate(prompts, params, use_tqdm=False)
 
@@ -544,7 +560,7 @@ class VLLMBackend:
                 logprobs = [float(entries[pos][tok].logprob) for pos, tok in enumerate(token_ids)]
                 results[idx] = Generation(token_ids=token_ids, logprobs=logprobs,
                                           finish=self._finish(token_ids, stop_ids, completion.stop_reason,
-                                                              budgets[idx]))
+                                                              budgets[idx], completion.finish_reason))
                 self.stats["prefill_tokens"] += len(prefixes[idx])
                 self.stats["reused_tokens"] += int(getattr(out, "num_cached_tokens", 0) or 0)
                 self.stats["generated_tokens"] += len(token_ids)
@@ -564,7 +580,7 @@ def shared_vllm_backend(policy: Any, settings: VLLMEngineSettings) -> VLLMBacken
     """The process-wide ``VLLMBackend`` of ``policy``: started on first use, reused by every later call.
 
     Engine start takes seconds to minutes, so rollout code that asks for a backend per call (``make_backend``)
-    gets the same engines each time; they follow the policy's in-place updates (``source_model``). A call
+    gets the same engines each time; they follow the policy's announced updates (``source_model``). A call
     with different settings closes the old engines and starts new ones.
 
     Args:

@@ -1,0 +1,152 @@
+"""The training loop: candidate prompts of a step, and which errors the dapo arm's step absorbs."""
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trace.config import ConfigError, config_from_dict
+from trace.loop import candidate_indices, check_candidate_pool, step_seed
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---- candidate prompts -------------------------------------------------------------------------------------
+def plain_epoch_slices(num_prompts, num_candidates, seed, step, permutations):
+    """Position ``pos`` of the stream is ``permutation(epoch = pos // P)[pos % P]``, with no boundary repair:
+    the drawing rule before steps that straddle an epoch were repaired, kept for the divisible pool."""
+    out = []
+    for pos in range(step * num_candidates, (step + 1) * num_candidates):
+        epoch, idx = divmod(pos, num_prompts)
+        if epoch not in permutations:
+            permutations[epoch] = np.random.default_rng(step_seed(seed, epoch, "epoch")).permutation(num_prompts)
+        out.append(permutations[epoch][idx])
+    return np.asarray(out, dtype=np.int64)
+
+
+@pytest.mark.parametrize("num_prompts,num_candidates,seed", [(8000, 32, 0), (64, 32, 0), (96, 32, 5), (6, 6, 1),
+                                                             (300, 30, 2)])
+def test_a_divisible_pool_draws_exactly_the_plain_epoch_slices(num_prompts, num_candidates, seed):
+    # the default run (8,000 prompts, 32 candidates) must draw the same prompts at every step as before
+    permutations = {}
+    for step in range(2 * num_prompts // num_candidates + 3):  # two epochs and into the third
+        np.testing.assert_array_equal(
+            candidate_indices(num_prompts, num_candidates, seed, step),
+            plain_epoch_slices(num_prompts, num_candidates, seed, step, permutations), err_msg=f"step {step}")
+
+
+def test_a_step_straddling_an_epoch_boundary_holds_distinct_prompts():
+    # positions 48..51: the last two of epoch 0 and the first two of epoch 1; plain slices gave [24, 32, 32, 46]
+    idx = candidate_indices(50, 4, 29, 12)
+    assert len(set(idx.tolist())) == 4
+    assert idx[:2].tolist() == plain_epoch_slices(50, 4, 29, 12, {})[:2].tolist()  # epoch 0's tail is kept
+
+
+@settings(max_examples=150, deadline=None)
+@given(num_prompts=st.integers(1, 90), data=st.data(), seed=st.integers(0, 2 ** 31 - 1),
+       num_epochs=st.integers(1, 4))
+def test_candidates_are_distinct_and_each_epoch_draws_every_prompt_once(num_prompts, data, seed, num_epochs):
+    num_candidates = data.draw(st.integers(1, num_prompts), label="num_candidates")
+    num_steps = -(-num_epochs * num_prompts // num_candidates)  # the fewest steps covering E whole epochs
+    drawn = [candidate_indices(num_prompts, num_candidates, seed, step) for step in range(num_steps)]
+    for step, idx in enumerate(drawn):
+        assert idx.dtype == np.int64 and idx.shape == (num_candidates,)
+        assert len(set(idx.tolist())) == num_candidates, f"step {step} repeats a prompt: {idx.tolist()}"
+    stream = np.concatenate(drawn)
+    for epoch in range(num_epochs):
+        assert sorted(stream[epoch * num_prompts:(epoch + 1) * num_prompts].tolist()) == list(range(num_prompts))
+    counts = np.bincount(stream, minlength=num_prompts)
+    assert counts.min() >= num_epochs and counts.max() <= num_epochs + 1
+    # a step far into the run, alone, in a fresh call: distinct and the same however often it is drawn
+    late = data.draw(st.integers(0, 10 ** 6), label="late_step")
+    first = candidate_indices(num_prompts, num_candidates, seed, late)
+    assert len(set(first.tolist())) == num_candidates
+    np.testing.assert_array_equal(first, candidate_indices(num_prompts, num_candidates, seed, late))
+
+
+def test_more_candidates_than_prompts_names_the_params_to_change():
+    with pytest.raises(ValueError, match=r"allocation.num_candidates=6 exceeds the 5 training prompts"):
+        candidate_indices(5, 6, 0, 0)
+    with pytest.raises(ValueError, match="allocation.num_candidates"):
+        check_candidate_pool(5, 6)
+    with pytest.raises(ValueError, match="prepare stage"):
+        candidate_indices(0, 1, 0, 0)
+    with pytest.raises(ValueError, match="step must be >= 0"):
+        candidate_indices(10, 2, 0, -1)
+
+
+@pytest.mark.parametrize("task,key", [({"name": "kgqa", "kgqa": {"num_train": 20}}, "task.kgqa.num_train"),
+                                      ({"name": "simulator", "simulator": {"num_prompts": 20}},
+                                       "task.simulator.num_prompts"),
+                                      ({"name": "gsm8k", "files": {"max_train": 20}}, "task.files.max_train")])
+def test_a_pool_smaller_than_the_candidates_fails_at_config_load(task, key):
+    with pytest.raises(ConfigError, match=rf"allocation.num_candidates=32 exceeds {key}=20"):
+        config_from_dict({"task": task, "allocation": {"num_candidates": 32}, "train": {"ablations": ["grpo"]}})
+    config_from_dict({"task": task, "allocation": {"num_candidates": 20}, "train": {"ablations": ["grpo"]}})
+
+
+# ---- the dapo arm's step -------------------------------------------------------------------------------------
+def tiny_trainer(ablation, run_dir):
+    from trace.config import load_config
+    from trace.envs.registry import make_environment
+    from trace.loop import Trainer
+    from trace.policy.model import build_tiny_policy
+    from trace.predictor import make_predictor
+
+    cfg = load_config(ROOT / "tests" / "params_tiny.yaml",
+                      overrides={"train.eval_every": 100, "predictor.kind": "history"})
+    env = make_environment(cfg.task, cfg.seed)
+    policy = build_tiny_policy(cfg.policy, env.vocabulary(), cfg.seed)
+    predictor = make_predictor(cfg.predictor, env=env, policy=policy, seed=cfg.seed)
+    return Trainer(cfg, ablation, policy=policy, env=env, train_prompts=env.prompts("train"),
+                   eval_prompts=env.prompts("eval"), predictor=predictor, run_dir=run_dir, progress=False)
+
+
+@pytest.mark.slow
+def test_dapo_step_stops_on_a_retriever_error_inside_the_rollouts(tmp_path, monkeypatch):
+    from trace.envs.qa import RetrieverError
+
+    trainer = tiny_trainer("dapo", tmp_path)
+    calls = []
+
+    def unreachable(state, action):
+        calls.append(action)
+        raise RetrieverError("retriever http://127.0.0.1:9/retrieve did not answer")
+
+    monkeypatch.setattr(trainer.env, "step", unreachable)
+    with pytest.raises(RetrieverError, match="did not answer"):
+        trainer.step(0)
+    assert calls
+
+
+@pytest.mark.slow
+def test_dapo_step_stops_when_generation_runs_out_of_memory(tmp_path, monkeypatch):
+    import torch
+
+    trainer = tiny_trainer("dapo", tmp_path)
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(trainer.backend, "generate", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        trainer.step(0)
+
+
+@pytest.mark.slow
+def test_dapo_step_without_a_mixed_group_trains_on_nothing_and_logs_it(tmp_path, monkeypatch):
+    from trace.tree_io import read_trees, tree_path
+
+    trainer = tiny_trainer("dapo", tmp_path)
+    real_step = trainer.env.step
+    monkeypatch.setattr(trainer.env, "step", lambda state, action: dataclasses.replace(real_step(state, action),
+                                                                                       reward=0.0))
+    metrics = trainer.step(0)
+    assert metrics["dapo/no_mixed_group"] == 1.0 and metrics["dapo/kept_groups"] == 0.0
+    assert metrics["dapo/rounds"] >= 1.0
+    assert metrics["rollout/trajectories"] == trainer.cfg.allocation.trajectory_budget
+    assert metrics["effective_ratio"] == 0.0
+    assert len(read_trees(tree_path(trainer.trees_root, "dapo", 0))) == metrics["rollout/prompts"]

@@ -1,0 +1,48 @@
+"""The report reads the arms' results from the MLflow runs under the names the UI shows, and links to them."""
+
+from pathlib import Path
+
+from flows.report import collect, mlflow_links, render_markdown
+from trace.config import load_config
+from trace.tracking import arm_result_metrics, stage_run, summary_metrics
+
+PARAMS = Path(__file__).resolve().parent / "params_tiny.yaml"
+
+
+def _log_arm(cfg, ablation: str, summary: dict, eval_metrics: dict) -> tuple[str, str]:
+    """Runs of one arm as the train and evaluate stages log them."""
+    common = dict(tracking_uri=cfg.tracking.tracking_uri, experiment_name=cfg.tracking.experiment_name,
+                  ablation=ablation, seed=cfg.seed)
+    with stage_run("train", params={}, params_hash=cfg.resume_hash(), resume=True, **common) as train:
+        for step in range(3):
+            train.log_metrics({"effective_ratio": 0.5 + 0.1 * step, "tokens/cumulative": 100.0 * (step + 1)}, step)
+        train.log_metrics(summary_metrics(summary), 3)
+    with stage_run("evaluate", params={}, params_hash=cfg.params_hash(), **common) as evaluate:
+        evaluate.log_metrics({**arm_result_metrics(eval_metrics, summary, cfg.evaluate.pass_k), **eval_metrics})
+    return train.run_id, evaluate.run_id
+
+
+def test_report_ranks_the_arms_from_their_mlflow_runs_and_links_the_compare_view(tmp_path):
+    cfg = load_config(PARAMS, overrides={"tracking.tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
+                                         "train.ablations": ["grpo", "trace"]})
+    ids = {}
+    for ablation, eff, acc in (("grpo", 0.6, 0.40), ("trace", 0.9, 0.55)):
+        summary = {"mean/effective_ratio": eff, "mean/effective_token_ratio": eff - 0.05,
+                   "mean/active_prompt_ratio": 0.3, "mean/reward/mean": 0.5, "tokens/cumulative": 300.0,
+                   "mean/rollout/trajectories": 16.0, "mean/time/step": 0.25, "train/steps": 3.0}
+        ids[ablation] = _log_arm(cfg, ablation, summary, {"accuracy/greedy": acc, "accuracy/pass@2": acc + 0.1})
+
+    results = collect(cfg)
+    assert results["trace"]["summary"]["arm/eff_ratio"] == 0.9
+    assert [v for _, v in results["trace"]["history"]["effective_ratio"]] == [0.5, 0.6, 0.7]
+    links = mlflow_links(results, "http://127.0.0.1:5000")
+    text = render_markdown(results, {"accuracy/greedy": 0.3}, cfg.evaluate.pass_k, links)
+
+    # trace first (held-out 0.55 > 0.40): greedy, pass@2, effective ratio, token ratio, active prompts, reward,
+    # generated tokens, trajectories per step, seconds per step
+    assert "| 1 | trace | 0.550 | 0.650 | 0.900 | 0.850 | 0.300 | 0.500 | 300 | 16 | 0.25 |" in text
+    assert "| 2 | grpo | 0.400 | 0.500 | 0.600 |" in text
+    experiment_id = results["trace"]["experiment_id"]
+    assert links["runs"] == f"http://127.0.0.1:5000/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+    assert ids["trace"][1] in links["compare"] and ids["grpo"][1] in links["compare"]  # the evaluate runs
+    assert f"[compare the arms]({links['compare']})" in text
