@@ -1,7 +1,7 @@
 """Stage ``report``: the ablation comparison, built from MLflow so the report and the MLflow UI agree.
 
-Writes ``reports/summary.md`` (a table ranking the ablations, and links to the MLflow UI's runs table and
-compare view of the arms), ``reports/metrics.json`` and PNG plots: effective ratio per step, reward per step,
+Writes ``reports/summary.md`` (a table ranking the ablations, and links to the MLflow UI: the arms' results
+in the runs table, a view the stage stores on the experiment, and the compare view of the arms), ``reports/metrics.json`` and PNG plots: effective ratio per step, reward per step,
 generated tokens per step, and eval accuracy against cumulative generated tokens. The table's numbers are
 the train runs' ``arm/*`` metrics (``trace.tracking.SUMMARY_METRIC_NAMES``) and the evaluate runs' held-out
 accuracies, the same values the MLflow compare view of the ``evaluate-*`` runs shows.
@@ -44,16 +44,17 @@ def collect(cfg) -> dict:
     return out
 
 
-def mlflow_links(results: dict, base_url: str) -> dict[str, str]:
-    """Links into the MLflow UI: the experiment's runs table and the compare view of the arms' evaluate runs
-    (of their train runs where an arm has no evaluate run)."""
+def mlflow_links(results: dict, base_url: str, view_key: str | None = None) -> dict[str, str]:
+    """Links into the MLflow UI: the experiment's runs table (in the shared view ``view_key``, e.g. the arms'
+    results of ``trace.tracking.share_arms_view``) and the compare view of the arms' evaluate runs (of their
+    train runs where an arm has no evaluate run)."""
     from trace.tracking import compare_url, experiment_url
 
     if not results:
         return {}
     experiment_id = next(iter(results.values()))["experiment_id"]
     run_ids = [res.get("eval_run_id") or res["run_id"] for res in results.values()]
-    return {"runs": experiment_url(base_url, experiment_id),
+    return {"runs": experiment_url(base_url, experiment_id, view_key),
             "compare": compare_url(base_url, experiment_id, run_ids)}
 
 
@@ -109,15 +110,17 @@ def render_markdown(results: dict, warmup: dict, pass_k: int, links: dict[str, s
                      f"{r[7]:,.0f} | {r[8]:.0f} | {r[9]:.2f} |")
     lines += ["", "Plots: `effective_ratio.png`, `reward.png`, `tokens.png`, `accuracy_vs_tokens.png`.", ""]
     if links:
-        lines += [f"MLflow (`make ui`): [runs table]({links['runs']}), "
-                  f"[compare the arms]({links['compare']}) (`arm/acc`, `arm/eff_ratio`, ...).", ""]
+        lines += [f"MLflow (`make ui`): [the arms' results]({links['runs']}) (`arm/acc`, `arm/eff_ratio`, ...), "
+                  f"[compare the arms]({links['compare']}).", ""]
     return "\n".join(lines)
 
 
 @flow(name="report", log_prints=False)
 def report_flow(params: str) -> dict:
+    from mlflow.tracking import MlflowClient
+
     from trace.config import load_config
-    from trace.tracking import ui_url
+    from trace.tracking import resolve_tracking_uri, share_arms_view, ui_url
 
     cfg = load_config(params)
     results = collect(cfg)
@@ -133,7 +136,10 @@ def report_flow(params: str) -> dict:
     _plot(results, "tokens/generated", "generated tokens per step", REPORTS / "tokens.png")
     _plot(results, "accuracy/eval", "held-out greedy accuracy", REPORTS / "accuracy_vs_tokens.png",
           x_key="tokens/cumulative")
-    links = mlflow_links(results, ui_url(cfg.tracking.tracking_uri))
+    client = MlflowClient(resolve_tracking_uri(cfg.tracking.tracking_uri))
+    view_key = share_arms_view(client, next(iter(results.values()))["experiment_id"], cfg.params_hash(),
+                               cfg.evaluate.pass_k) if results else None
+    links = mlflow_links(results, ui_url(cfg.tracking.tracking_uri), view_key)
     (REPORTS / "summary.md").write_text(render_markdown(results, warmup, cfg.evaluate.pass_k, links))
     table = {abl: {**res["summary"], **{f"eval/{k}": v for k, v in res.get("eval", {}).items()}}
              for abl, res in results.items()}

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 from trace.config import KGQAConfig, PolicyConfig, RolloutConfig
 from trace.envs.kgqa import KGQAEnvironment
-from trace.policy.backends import Generation, GenerationBackend, HFBackend
+from trace.policy.backends import Generation, GenerationBackend, HFBackend, mark_weights_updated
 from trace.policy.model import build_tiny_policy, load_policy, save_policy
 from trace.policy.vllm_backend import VLLMEngineSettings, replica_devices, route_requests, vllm_available
 from trace.rollout import SamplingSpec, expand_prefixes, make_backend, rollout_roots
@@ -247,12 +247,15 @@ def _extend(prefixes: list[list[int]], generations: list[Generation], observatio
 
 
 def test_after_a_weight_update_generation_matches_a_freshly_started_backend(case, env, tmp_path):
-    """The policy is updated in place, as an optimizer step does; the backend must serve the new weights and
-    must not reuse KV cached under the old ones (a fresh backend has no cache at all).
+    """The policy is updated in place and the update announced (``mark_weights_updated``), as
+    ``PolicyUpdater`` does after every optimizer step; the backend must serve the new weights and must not
+    reuse KV cached under the old ones (a fresh backend has no cache at all).
 
-    The contexts sampled after the update extend sequences the backend served before it (the next turn of a
-    trajectory), so a backend that missed the update would find their stale KV and reuse it; a turn taken
-    before the update checks that the backend does reuse such KV while the weights stay put."""
+    The update writes through ``.data``, as DeepSpeed's ZeRO and bf16 steps do, so the tensors' own version
+    counters do not move: only the announcement tells. The contexts sampled after the update extend
+    sequences the backend served before it (the next turn of a trajectory), so a backend that missed the
+    update would find their stale KV and reuse it; a turn taken before the update checks that the backend
+    does reuse such KV while the weights stay put."""
     policy = case.policy
     observation = _prompt_prefixes(env, policy, 1)[0][1:]  # some words, standing in for a tool observation
     turn0 = [_long_prefix(env, policy, 3 * BLOCK)] * 3 + _prompt_prefixes(env, policy, 3)
@@ -271,10 +274,12 @@ def test_after_a_weight_update_generation_matches_a_freshly_started_backend(case
             min_reused = sum(n // BLOCK * BLOCK for n in served)
         assert case.backend.stats["reused_tokens"] - reused_before >= min_reused > 0
         turn2 = _extend(turn1, gens1, observation)
-        with torch.no_grad():
-            generator = torch.Generator().manual_seed(0)
-            for param in policy.model.parameters():
-                param.add_(0.3 * param.std() * torch.randn(param.shape, generator=generator))
+        generator = torch.Generator().manual_seed(0)
+        version_counters = [param._version for param in policy.model.parameters()]
+        for param in policy.model.parameters():
+            param.data.add_(0.3 * param.data.std() * torch.randn(param.shape, generator=generator))
+        assert [param._version for param in policy.model.parameters()] == version_counters
+        mark_weights_updated(policy.model)
         after = case.backend.generate(turn2, max_new_tokens=6, seed=11)
         fresh_policy = load_policy(save_policy(policy, tmp_path / "updated"))
         fresh = _start(case.kind, tmp_path / "updated", fresh_policy)
@@ -293,7 +298,8 @@ def test_after_a_weight_update_generation_matches_a_freshly_started_backend(case
         if case.kind == "vllm":
             assert case.backend.stats["weight_refreshes"] >= 1
     finally:
-        policy.model.load_state_dict(original)  # the next generation pushes the original weights back
+        policy.model.load_state_dict(original)
+        mark_weights_updated(policy.model)  # the next generation pushes the original weights back
 
 
 # ---- data parallel replicas (vLLM) and backend selection -----------------------------------------------

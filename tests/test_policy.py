@@ -9,7 +9,8 @@ import torch
 
 from trace.config import KGQAConfig, PolicyConfig
 from trace.envs.kgqa import KGQAEnvironment
-from trace.policy.backends import Generation, GenerationBackend, HFBackend, continuation_logprobs, sample_tokens
+from trace.policy.backends import (Generation, GenerationBackend, HFBackend, continuation_logprobs,
+                                   mark_weights_updated, request_seeds, sample_tokens, weights_version)
 from trace.policy.format import ChatFormat, FormatKind
 from trace.policy.model import (Policy, build_tiny_policy, load_policy, load_pretrained_policy, resolve_model_path,
                                 save_policy)
@@ -290,12 +291,15 @@ def test_kept_kv_of_the_previous_call_continues_a_trajectory_like_a_fresh_prefil
         torch.testing.assert_close(torch.tensor(ga.logprobs), ref, atol=1e-5, rtol=0)
 
 
-def test_a_weight_update_discards_the_kept_kv():
+def test_an_announced_weight_update_discards_the_kept_kv():
     policy = build_tiny_policy(TINY, WORDS, seed=1)
     backend = HFBackend(policy.model, policy.tokenizer)
     first = backend.generate(PREFIXES[:2], max_new_tokens=4, seed=0)
-    with torch.no_grad():
-        policy.model.model.norm.weight.mul_(1.5)  # in place, as an optimizer step
+    # through .data, as DeepSpeed's ZeRO and bf16 steps write: the tensors' version counters do not move
+    version_counters = [p._version for p in policy.model.parameters()]
+    policy.model.model.norm.weight.data.mul_(1.5)
+    assert [p._version for p in policy.model.parameters()] == version_counters
+    assert mark_weights_updated(policy.model) == weights_version(policy.model) == 1
     nexts = [p + g.token_ids + [8] for p, g in zip(PREFIXES, first)]
     gens = backend.generate(nexts, max_new_tokens=4, seed=1)
     assert backend.stats["reused_tokens"] == 0
@@ -316,6 +320,31 @@ def test_generation_depends_on_the_seed_but_not_on_batch_chunking(policy):
     for prefix, g in zip(PREFIXES * 4, chunked):
         torch.testing.assert_close(torch.tensor(g.logprobs), continuation_logprobs(policy.model, prefix, g.token_ids),
                                    atol=1e-5, rtol=0)
+
+
+def test_a_request_seed_gives_the_same_tokens_alone_in_a_batch_or_in_another_order(policy):
+    backend = HFBackend(policy.model, policy.tokenizer, keep_cache_between_calls=False)
+    prefixes = PREFIXES[:4]
+    seeds = [101, 202, 303, 404]
+    together = [g.token_ids for g in backend.generate(prefixes, max_new_tokens=8, seed=seeds)]
+    alone = [backend.generate([p], max_new_tokens=8, seed=[s])[0].token_ids for p, s in zip(prefixes, seeds)]
+    order = [2, 0, 3, 1]
+    shuffled = backend.generate([prefixes[i] for i in order], max_new_tokens=8, seed=[seeds[i] for i in order])
+    assert alone == together
+    assert [shuffled[order.index(i)].token_ids for i in range(4)] == together
+    # PREFIXES[0] and [2] are equal: their own seeds, not their shared prefix, pick their tokens
+    assert prefixes[0] == prefixes[2] and together[0] != together[2]
+
+
+def test_request_seeds_expand_a_call_seed_and_check_per_request_seeds():
+    assert request_seeds([5, 7], 2) == [5, 7]
+    assert request_seeds(3, 2) == request_seeds(3, 3)[:2] and len(set(request_seeds(3, 3))) == 3
+    with pytest.raises(ValueError, match="2 per-request entries for 3 prefixes"):
+        request_seeds([1, 2], 3)
+    with pytest.raises(ValueError, match=r"seed\[1\]=-1 is outside"):
+        request_seeds([1, -1], 2)
+    with pytest.raises(ValueError, match=r"seed\[0\]"):
+        request_seeds([2**63], 1)
 
 
 # ---- SmolLM2 (a real pretrained chat model shipped in a wheel) --------------------------------------------

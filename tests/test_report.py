@@ -2,9 +2,13 @@
 
 from pathlib import Path
 
+import json
+
+from mlflow.tracking import MlflowClient
+
 from flows.report import collect, mlflow_links, render_markdown
 from trace.config import load_config
-from trace.tracking import arm_result_metrics, stage_run, summary_metrics
+from trace.tracking import SHARED_VIEW_TAG_PREFIX, arm_result_metrics, share_arms_view, stage_run, summary_metrics
 
 PARAMS = Path(__file__).resolve().parent / "params_tiny.yaml"
 
@@ -35,14 +39,36 @@ def test_report_ranks_the_arms_from_their_mlflow_runs_and_links_the_compare_view
     results = collect(cfg)
     assert results["trace"]["summary"]["arm/eff_ratio"] == 0.9
     assert [v for _, v in results["trace"]["history"]["effective_ratio"]] == [0.5, 0.6, 0.7]
-    links = mlflow_links(results, "http://127.0.0.1:5000")
+    experiment_id = results["trace"]["experiment_id"]
+    client = MlflowClient(cfg.tracking.tracking_uri)
+    view_key = share_arms_view(client, experiment_id, cfg.params_hash(), cfg.evaluate.pass_k)
+    links = mlflow_links(results, "http://127.0.0.1:5000", view_key)
     text = render_markdown(results, {"accuracy/greedy": 0.3}, cfg.evaluate.pass_k, links)
 
     # trace first (held-out 0.55 > 0.40): greedy, pass@2, effective ratio, token ratio, active prompts, reward,
     # generated tokens, trajectories per step, seconds per step
     assert "| 1 | trace | 0.550 | 0.650 | 0.900 | 0.850 | 0.300 | 0.500 | 300 | 16 | 0.25 |" in text
     assert "| 2 | grpo | 0.400 | 0.500 | 0.600 |" in text
-    experiment_id = results["trace"]["experiment_id"]
-    assert links["runs"] == f"http://127.0.0.1:5000/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+    assert links["runs"] == (f"http://127.0.0.1:5000/#/experiments/{experiment_id}/runs?"
+                             f"workflowType=machine_learning&viewStateShareKey={view_key}")
     assert ids["trace"][1] in links["compare"] and ids["grpo"][1] in links["compare"]  # the evaluate runs
     assert f"[compare the arms]({links['compare']})" in text
+
+
+def test_the_shared_arms_view_lists_the_evaluate_runs_best_first_with_the_headline_columns_in_front(tmp_path):
+    cfg = load_config(PARAMS, overrides={"tracking.tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"})
+    summary = {"mean/effective_ratio": 0.7, "mean/effective_token_ratio": 0.6, "mean/active_prompt_ratio": 0.3,
+               "mean/reward/mean": 0.5, "tokens/cumulative": 100.0, "mean/time/step": 0.2}
+    evaluate_ids = [_log_arm(cfg, ablation, summary, {"accuracy/greedy": acc, "accuracy/pass@2": acc})[1]
+                    for ablation, acc in (("grpo", 0.2), ("trace", 0.6))]
+    client = MlflowClient(cfg.tracking.tracking_uri)
+    experiment_id = client.get_experiment_by_name(cfg.tracking.experiment_name).experiment_id
+    key = share_arms_view(client, experiment_id, cfg.params_hash(), cfg.evaluate.pass_k)
+    view = json.loads(client.get_experiment(experiment_id).tags[SHARED_VIEW_TAG_PREFIX + key])
+    # the view's filter and order, run by MLflow itself: the two evaluate runs, not the train runs, best first
+    shown = client.search_runs([experiment_id], view["searchFilter"], order_by=["metrics.`arm/acc` DESC"])
+    assert [r.info.run_id for r in shown] == evaluate_ids[::-1]
+    assert view["orderByKey"] == "metrics.`arm/acc`" and view["orderByAsc"] is False
+    assert view["columnOrder"][:3] == ["metrics.`arm/acc`", "metrics.`arm/eff_ratio`", "metrics.`arm/pass_2`"]
+    logged = set(shown[0].data.metrics)
+    assert all(c[len("metrics.`"):-1] in logged for c in view["selectedColumns"] if c.startswith("metrics."))

@@ -4,7 +4,9 @@ A trajectory alternates policy turns and tool observations: the policy generates
 observation marker, the environment executes the parsed action (model text is data, never code), and the
 observation segment (``trace.policy.format``) is appended before the next turn. All active trajectories of
 all prompts are generated together, one backend call per turn; identical prefixes share their KV and each
-trajectory's KV is carried from turn to turn (``HFBackend``).
+trajectory's KV is carried from turn to turn (``HFBackend``). Each turn is sampled with its trajectory's own
+seed (``trajectory_seed``: sampling seed, tree id, the trajectory's key in its tree, turn index), so a
+trajectory's tokens do not depend on the batch it was sampled in.
 
 EOS ends the episode, in whatever turn the policy emits it. The environment still reads that turn's action
 text: a final answer gets the verifier's reward as usual. If the environment would have gone on (a tool
@@ -38,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
-import numpy as np
+import hashlib
 
 from trace.config import RolloutConfig
 from trace.envs.base import EnvState, Environment, KnowsTrueSuccessProb, Prompt, prompts_by_uid, reward_range_of
@@ -94,6 +96,7 @@ class _Trajectory:
     turn_idx: int  # index of the next turn
     origin: Origin
     anchor_id: int
+    stream_key: tuple[int, ...]  # the trajectory's identity within its tree (``trajectory_seed``)
 
 
 def make_backend(policy: Any, sampling: SamplingSpec, *, reuse_prefix_cache: bool = True,
@@ -111,9 +114,26 @@ def make_backend(policy: Any, sampling: SamplingSpec, *, reuse_prefix_cache: boo
                      reuse_prefix_cache=reuse_prefix_cache)
 
 
-def _turn_seed(seed: int, salt: int, turn: int) -> int:
-    """An independent 63-bit seed per (run seed, engine call kind, turn)."""
-    return int(np.random.SeedSequence([int(seed), salt, turn]).generate_state(2, dtype=np.uint64)[0] >> np.uint64(1))
+def trajectory_seed(seed: int, tree_id: str, stream_key: Sequence[int], turn_idx: int) -> int:
+    """The sampling seed of one turn of one trajectory: a function of its identity only.
+
+    A trajectory is named by its tree and its key within the tree: ``(0, j)`` for the ``j``-th root rollout of
+    the prompt, ``(1, anchor_id, k)`` for the ``k``-th branch ever sampled from anchor ``anchor_id``. Its
+    tokens therefore do not depend on which other trajectories share the batch, on their order, on which of
+    them ended early, or on which rank sampled the tree (DESIGN.md: sampling is seeded per trajectory).
+
+    Args:
+        seed: the ``SamplingSpec`` seed (>= 0).
+        tree_id: the tree's ``tree_id`` (unique within a step).
+        stream_key: the trajectory's key within the tree (non-negative ints, see above).
+        turn_idx: the turn being sampled (>= 0).
+
+    Returns:
+        A seed in [0, 2**63): 63 bits of the BLAKE2b hash of the identity, stable across processes and
+        Python versions (unlike ``hash``).
+    """
+    identity = repr((int(seed), str(tree_id), tuple(int(k) for k in stream_key), int(turn_idx)))
+    return int.from_bytes(hashlib.blake2b(identity.encode("utf-8"), digest_size=8).digest(), "little") >> 1
 
 
 def _check_marker(policy: Any, env: Environment) -> None:
@@ -136,15 +156,14 @@ def _clear(backend: Any) -> None:
 
 
 def _run_trajectories(policy: Any, env: Environment, trees: list[RolloutTree], active: list[_Trajectory],
-                      sampling: SamplingSpec, backend: Any, max_context_tokens: int, salt: int,
-                      progress: bool, desc: str) -> None:
+                      sampling: SamplingSpec, backend: Any, max_context_tokens: int, progress: bool,
+                      desc: str) -> None:
     """Generate turns for ``active`` trajectories until every one ends in a leaf (mutates ``trees``)."""
     from tqdm.auto import tqdm
 
     tokenizer, fmt = policy.tokenizer, policy.format
     stop_token_ids, stop_strings = fmt.stop_criteria(tokenizer)
     bar = tqdm(total=len(active), desc=desc, unit="traj", disable=not progress, leave=False)
-    turn = 0
     try:
         while active:
             ready: list[tuple[_Trajectory, int]] = []
@@ -165,7 +184,9 @@ def _run_trajectories(policy: Any, env: Environment, trees: list[RolloutTree], a
             generations = backend.generate(
                 [traj.prefix for traj, _ in ready], max_new_tokens=[budget for _, budget in ready],
                 temperature=sampling.temperature, top_p=sampling.top_p, stop_token_ids=stop_token_ids,
-                stop_strings=stop_strings, seed=_turn_seed(sampling.seed, salt, turn))
+                stop_strings=stop_strings,
+                seed=[trajectory_seed(sampling.seed, trees[traj.tree_idx].tree_id, traj.stream_key, traj.turn_idx)
+                      for traj, _ in ready])
             next_active: list[_Trajectory] = []
             for (traj, budget), gen in zip(ready, generations):
                 tree = trees[traj.tree_idx]
@@ -208,9 +229,8 @@ def _run_trajectories(policy: Any, env: Environment, trees: list[RolloutTree], a
                     observation_text=result.observation, num_tool_calls=result.num_tool_calls,
                     env_state=result.state, true_success_prob=_true_success_prob(env, result.state), **common)
                 next_active.append(_Trajectory(traj.tree_idx, node.node_id, result.state, traj.prefix + gen_ids + obs_ids,
-                                               traj.turn_idx + 1, traj.origin, traj.anchor_id))
+                                               traj.turn_idx + 1, traj.origin, traj.anchor_id, traj.stream_key))
             active = next_active
-            turn += 1
     finally:
         bar.close()
 
@@ -274,11 +294,11 @@ def rollout_roots(
                       logprobs=[0.0] * len(ids), loss_mask=[0] * len(ids), env_state=state,
                       true_success_prob=_true_success_prob(env, state))
         trees.append(tree)
-        active += [_Trajectory(tree_idx, 0, state, list(ids), 0, Origin.ROLLOUT, -1) for _ in range(int(count))]
+        active += [_Trajectory(tree_idx, 0, state, list(ids), 0, Origin.ROLLOUT, -1, (_SALT_ROOTS, j))
+                   for j in range(int(count))]
     _clear(backend)
     try:
-        _run_trajectories(policy, env, trees, active, sampling, backend, max_context_tokens, _SALT_ROOTS, progress,
-                          "rollouts")
+        _run_trajectories(policy, env, trees, active, sampling, backend, max_context_tokens, progress, "rollouts")
     finally:
         _clear(backend)
     return trees
@@ -344,16 +364,16 @@ def expand_prefixes(
         if len(prefix) >= max_context_tokens:
             raise ValueError(f"tree {tree.tree_id} node {node_id}: prefix of {len(prefix)} tokens fills "
                              f"max_context_tokens={max_context_tokens}; allocate no branches to it")
+        first_branch = anchor.num_branches  # earlier rounds' branches keep their streams; these get new ones
         anchor.num_branches += int(count)
-        active += [_Trajectory(tree_idx, node_id, state, list(prefix), anchor.turn_idx + 1, Origin.BRANCH, node_id)
-                   for _ in range(int(count))]
+        active += [_Trajectory(tree_idx, node_id, state, list(prefix), anchor.turn_idx + 1, Origin.BRANCH, node_id,
+                               (_SALT_BRANCHES, node_id, first_branch + k)) for k in range(int(count))]
     if not active:
         return 0
     backend = backend if backend is not None else make_backend(policy, sampling)
     _clear(backend)
     try:
-        _run_trajectories(policy, env, trees, active, sampling, backend, max_context_tokens, _SALT_BRANCHES, progress,
-                          "branches")
+        _run_trajectories(policy, env, trees, active, sampling, backend, max_context_tokens, progress, "branches")
     finally:
         _clear(backend)
     return len(active)

@@ -47,12 +47,16 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 MODEL_TRAINING_KIND = "custom_model_development"
 EXPERIMENT_NOTE = (
-    "TRACE pipeline runs, one per stage execution, named <stage>-<ablation>-s<seed>-<experiment>. "
-    "To compare the arms, select the evaluate-* runs and press Compare: arm/acc is the held-out greedy "
-    "accuracy after training, arm/eff_ratio the mean effective ratio over training steps. The train-* runs "
-    "hold the per-step curves (Chart view).")
+    "TRACE pipeline runs, one per stage execution, named `<stage>-<ablation>-s<seed>-<experiment>`. The arms' "
+    "results are the `evaluate-*` runs: `arm/acc` is the held-out greedy accuracy after training, "
+    "`arm/eff_ratio` the mean effective ratio over training steps; the link in `reports/summary.md` lists them "
+    "side by side, and selecting them and pressing *Compare* plots them. The `train-*` runs hold the per-step "
+    "curves (*Chart* view).")
 PROCESS_TAG = "trace.process"
 DEFAULT_UI_URL = "http://127.0.0.1:5000"  # `make ui`
+# An experiment tag of this prefix holds a runs-table view as JSON, opened by ``?viewStateShareKey=<rest>``:
+# the format the MLflow UI's own *Share* button writes (read as plain JSON by MLflow 3.17).
+SHARED_VIEW_TAG_PREFIX = "mlflow.sharedViewState."
 
 # Characters of a metric name that MLflow 3.17's runs table shows in a metric column: 100 px wide, of which
 # 88 px hold the 12 px semibold header text; "summary/mean" fills them (measured in Chromium).
@@ -287,9 +291,30 @@ def ui_url(tracking_uri: str | None) -> str:
     return uri.rstrip("/") if uri.startswith(("http://", "https://")) else DEFAULT_UI_URL
 
 
-def experiment_url(base_url: str, experiment_id: str) -> str:
-    """Link to the experiment's runs table in the model-training view of the MLflow UI."""
-    return f"{base_url}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+def experiment_url(base_url: str, experiment_id: str, view_key: str | None = None) -> str:
+    """Link to the experiment's runs table in the model-training view of the MLflow UI, showing the shared
+    view ``view_key`` (``share_arms_view``) if given."""
+    url = f"{base_url}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+    return f"{url}&viewStateShareKey={urllib.parse.quote(view_key, safe='')}" if view_key else url
+
+
+def arms_view(params_hash: str, pass_k: int) -> dict:
+    """Runs-table view of the arms' results: the evaluate runs of one params hash, best held-out accuracy
+    first, with the ``arm/*`` columns in front (the headline numbers first)."""
+    metrics = [*HEADLINE_METRICS, heldout_pass_name(pass_k), "arm/eff_tok_ratio", "arm/active_prompts",
+               "arm/reward", "arm/tokens", "arm/sec_step"]
+    columns = [f"metrics.`{m}`" for m in metrics] + ["params.`ablation`", "params.`dvc.exp_name`"]
+    return {"searchFilter": f"tags.`trace.stage` = 'evaluate' and tags.`trace.params_hash` = '{params_hash}'",
+            "orderByKey": f"metrics.`{HELDOUT_ACCURACY}`", "orderByAsc": False, "lifecycleFilter": "Active",
+            "selectedColumns": columns, "columnOrder": columns}
+
+
+def share_arms_view(client, experiment_id: str, params_hash: str, pass_k: int) -> str:
+    """Store ``arms_view`` on the experiment as a shared runs-table view and return its key
+    (``arms-<params_hash>``, for ``experiment_url``)."""
+    key = f"arms-{params_hash}"
+    client.set_experiment_tag(experiment_id, SHARED_VIEW_TAG_PREFIX + key, json.dumps(arms_view(params_hash, pass_k)))
+    return key
 
 
 def compare_url(base_url: str, experiment_id: str, run_ids: list[str]) -> str:
