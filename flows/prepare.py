@@ -21,14 +21,15 @@ def task_prompts(cfg, env, split: str):
 @flow(name="prepare", log_prints=False)
 def prepare_flow(params: str) -> dict:
     from trace.config import load_config
-    from trace.prepared import save_prompts
+    from trace.prepared import check_unique_prompt_uids, save_prompts
 
     cfg = load_config(params)
     env = build_environment(cfg)
     summary = {}
     with open_run(cfg, "prepare", stage_params(cfg, "prepare")) as run:
-        for split in ("train", "eval"):
-            prompts = task_prompts(cfg, env, split)
+        splits = {split: task_prompts(cfg, env, split) for split in ("train", "eval")}
+        check_unique_prompt_uids(splits)  # before writing: a clash names both places and leaves no half output
+        for split, prompts in splits.items():
             save_prompts(prompts, PREPARED / f"{split}.jsonl")
             summary[f"{split}/num_prompts"] = len(prompts)
             hops = Counter(p.meta.get("num_hops") for p in prompts if p.meta.get("num_hops") is not None)

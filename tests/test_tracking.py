@@ -210,3 +210,16 @@ def test_stage_runs_of_this_process_are_not_closed_by_a_stage_start_while_open(t
                        ablation="trace"):
             pass
         assert MlflowClient(uri).get_run(outer.run_id).info.status == "RUNNING"
+
+
+def test_without_a_tracking_uri_a_queued_experiment_logs_into_the_main_repositorys_database(monkeypatch, tmp_path):
+    from trace.tracking import REPO_ROOT, resolve_tracking_uri
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("DVC_ROOT", raising=False)
+    assert resolve_tracking_uri(None) == f"sqlite:///{REPO_ROOT / 'mlflow.db'}"
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path))  # DVC sets it to the main repository, even in a queued copy
+    assert resolve_tracking_uri(None) == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert resolve_tracking_uri("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:////elsewhere.db")
+    assert resolve_tracking_uri(None) == "sqlite:////elsewhere.db"

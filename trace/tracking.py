@@ -144,10 +144,15 @@ def git_commit() -> str:
 
 
 def resolve_tracking_uri(tracking_uri: str | None) -> str:
-    """The param if set, else ``$MLFLOW_TRACKING_URI``, else SQLite ``mlflow.db`` at the repository root."""
+    """The param if set, else ``$MLFLOW_TRACKING_URI``, else SQLite ``mlflow.db`` at the repository root.
+
+    The repository root is ``$DVC_ROOT`` when DVC runs the stage: a queued experiment (``dvc exp run --queue``)
+    runs in a temporary copy of the repository, and its runs belong in the main repository's database.
+    """
     if tracking_uri:
         return tracking_uri
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{REPO_ROOT / 'mlflow.db'}"
+    root = Path(os.environ.get("DVC_ROOT") or REPO_ROOT)
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{root / 'mlflow.db'}"
 
 
 def _flatten(prefix: str, value, out: dict) -> None:
