@@ -6,15 +6,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PORT ?= 4200
-export DS_ACCELERATOR ?= cpu
-export OMP_NUM_THREADS ?= 2
-export PREFECT_HOME ?= $(CURDIR)/.prefect
-export PREFECT_SERVER_ANALYTICS_ENABLED := false
-export PREFECT_LOGGING_LEVEL ?= WARNING
-export DO_NOT_TRACK := 1
-export HF_HUB_OFFLINE := 1
-export HF_HUB_DISABLE_TELEMETRY := 1
-export TOKENIZERS_PARALLELISM := false
+# The process environment (threads, DeepSpeed, Prefect, offline Hugging Face) is trace/process_env.py's table,
+# read with $(PYTHON) (standard library only, so before .venv exists); variables already set are kept.
+$(foreach assignment,$(shell $(PYTHON) -m trace.process_env --make),$(eval export $(assignment)))
 export PYTHONDONTWRITEBYTECODE :=
 export PYTHONPATH := $(CURDIR)
 

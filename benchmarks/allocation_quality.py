@@ -1,11 +1,11 @@
 """Allocation quality of every arm on the martingale simulator, at the same trajectory budget and seeds.
 
-Each simulated training step is the training loop's step (``trace.loop.Trainer.step``) with the language
-model replaced by the simulator's tree sampler: the same candidate prompts for every arm
-(``trace.loop.candidate_indices``), root scores from the predictor, ``plan_root_counts`` (or ``run_dapo``),
-``SimulatorEnvironment.sample_root_rollouts``, ``split_expansion_budget``, anchor scores at every candidate
-anchor, ``plan_expansion`` and ``sample_continuations``; then the loop's own metrics
-(``trace.metrics.rollout_metrics``). There is no policy update: the simulator's success probabilities do
+Each simulated training step is the training loop's allocation step (``trace.allocation.step.allocate_step``,
+which ``trace.loop.Trainer.step`` calls) with the language model replaced by the simulator
+(``trace.allocation.samplers.SimulatorSampler``): the same candidate prompts for every arm
+(``trace.seeding.candidate_indices``), root scores from the predictor, the arm's root rule, root rollouts,
+anchor scores at every candidate anchor, the arm's prefix rule and continuations; then the loop's own
+metrics (``trace.metrics.rollout_metrics``). There is no policy update: the simulator's success probabilities do
 not move, so steps differ only in their candidates and draws.
 
 Predictors (``--quick`` runs oracle and learned only):
@@ -14,8 +14,8 @@ Predictors (``--quick`` runs oracle and learned only):
   (kind ``noisy_oracle``, ``noise_std = s``);
 - ``history``: the library's per-prompt Beta-Bernoulli posterior of past root-rollout rewards (kind
   ``history``, prior Beta(1, 1)); roots only, every prefix gets its prompt's posterior mean;
-- ``learned``: ``HistoryPathPredictor`` below, which sees only what a predictor beside a real policy could
-  see: past rewards of the prompt and the observation texts along the prefix. Roots: the per-prompt
+- ``learned``: the library's ``HistoryPathPredictor`` (kind ``history_path``), which sees only what a
+  predictor beside a real policy could see: past rewards of the prompt and the observation texts along the prefix. Roots: the per-prompt
   Beta-Bernoulli posterior with an empirical-Bayes prior (moment-matched to the warm-start outcomes).
   Prefixes: a logistic regression on the prompt's evidence (its posterior mean, pooling earlier trees and the
   current tree's other root rollouts, never the outcome below the prefix itself) and the path's observations
@@ -52,205 +52,30 @@ from typing import Any, Sequence
 import numpy as np
 
 from benchmarks.common import figure_path, mean_std, parse_args, pyplot, write_report
-from trace.allocation.baselines import ABLATIONS, AblationSpec, NoMixedGroupError, get_ablation, plan_expansion, \
-    plan_root_counts, run_dapo
-from trace.allocation.prefix import candidate_anchors, split_expansion_budget
+from trace.allocation.arms import ARMS, Arm, get_arm
+from trace.allocation.prefix import split_expansion_budget
+from trace.allocation.prefix_rules import plan_expansion
+from trace.allocation.samplers import SimulatorSampler
+from trace.allocation.step import allocate_step
 from trace.config import AllocationConfig, PredictorConfig, PredictorKind, SimulatorConfig
 from trace.envs.base import Prompt
-from trace.envs.simulator import OBS_DOWN, OBS_UP, SimulatorEnvironment
-from trace.loop import candidate_indices, step_rng
+from trace.envs.simulator import SimulatorEnvironment
 from trace.metrics import rollout_metrics
-from trace.predictor import (
-    HistoryPredictor,
-    brier_score,
-    expected_calibration_error,
-    labelled_node_ids,
-    make_predictor,
-    roc_auc,
-)
+from trace.predictor.calibration import brier_score, expected_calibration_error, roc_auc
+from trace.predictor.history_path import HistoryPathPredictor, empirical_bayes_prior
+from trace.predictor.labels import labelled_node_ids
+from trace.predictor.registry import make_predictor
+from trace.seeding import candidate_indices, step_rng
 from trace.tree import Origin, RolloutTree
 
 NAME = "allocation_quality"
-PREDICTOR_FREE = ("grpo", "dapo", "tree_random", "treepo")
 SEED_GROUP_SIZE = 4  # SeedRolloutConfig.group_size default
 SEED_EXPANSION_RATIO = 0.5  # SeedRolloutConfig.expansion_ratio default
 
 
 # ================================================================================================
-# A learned predictor for the simulator
+# Predictor quality on probe trees
 # ================================================================================================
-def _logit(p: np.ndarray) -> np.ndarray:
-    return np.log(p) - np.log1p(-p)
-
-
-def _sigmoid(z: np.ndarray) -> np.ndarray:
-    return 0.5 * (1.0 + np.tanh(0.5 * z))
-
-
-def empirical_bayes_prior(trees: Sequence[RolloutTree], min_concentration: float = 0.05) -> tuple[float, float]:
-    """Beta prior ``(alpha, beta)`` of per-prompt success rates, moment-matched to root-rollout outcomes.
-
-    For prompts each with ``n`` root rollouts and ``s_u`` successes, the beta-binomial model gives
-    ``E[s/n] = mu`` and ``Var[s/n] = mu (1 - mu) (1 + (n - 1) rho) / n`` with ``rho = 1 / (alpha + beta + 1)``;
-    solving for ``rho`` from the observed mean and variance gives ``alpha + beta = 1 / rho - 1``.
-
-    Args:
-        trees: trees whose ``ROLLOUT`` leaves are the outcomes (one tree per prompt; ``n`` may vary, its
-            mean is used).
-        min_concentration: floor of ``alpha + beta`` (a population more polarised than the data can show).
-
-    Returns:
-        ``(alpha, beta)``, both > 0.
-
-    Raises:
-        ValueError: fewer than two prompts, or a mean of fewer than two rollouts per prompt.
-
-    References:
-        Method-of-moments for the beta-binomial: Skellam (1948), JRSS B 10(2); Kleinman (1973), JASA 68.
-    """
-    rates, sizes = [], []
-    for tree in trees:
-        rewards = [0.0 if leaf.reward is None else float(leaf.reward) for leaf in tree.leaves()
-                   if leaf.origin == Origin.ROLLOUT]
-        if rewards:
-            rates.append(float(np.mean(rewards)))
-            sizes.append(len(rewards))
-    n = float(np.mean(sizes)) if sizes else 0.0
-    if len(rates) < 2 or n < 2:
-        raise ValueError(f"need >= 2 prompts with >= 2 root rollouts each to fit a prior, got {len(rates)} "
-                         f"prompts with {n:.1f} rollouts on average")
-    mu = float(np.clip(np.mean(rates), 1e-3, 1 - 1e-3))
-    var = float(np.var(rates, ddof=1))
-    rho = (n * var / (mu * (1.0 - mu)) - 1.0) / (n - 1.0)
-    concentration = max(1.0 / float(np.clip(rho, 1e-3, 0.999)) - 1.0, min_concentration)
-    return mu * concentration, (1.0 - mu) * concentration
-
-
-class HistoryPathPredictor:
-    """``V_hat`` from a prompt's past outcomes and a prefix's observation texts (see the module docstring).
-
-    Roots: the posterior mean of ``trace.predictor.HistoryPredictor`` (Beta prior ``(alpha, beta)``), leaving
-    out the tree's own rollouts when the tree was already counted. A prefix ``H`` ending at a turn node:
-    ``sigmoid(x . w)`` with features ``x = [1, z, z log(1 + n), u - d, last, t]``, where ``z`` is the logit of
-    the prompt's posterior mean from ``n`` outcomes (earlier trees plus the tree's root rollouts not below
-    ``H``), ``u`` / ``d`` count ``progress up`` / ``progress down`` observations on the path, ``last`` is
-    the last one (+1 / -1) and ``t`` the number of turns so far. ``w`` is the L2-regularised weighted
-    logistic regression (Newton's method) on the labelled prefixes of the fitted window: label the mean
-    descendant-leaf reward, weight the leaf count, as the library's predictors use.
-
-    Args:
-        prior_alpha, prior_beta: Beta prior of per-prompt success rates.
-        clip: predictions are clipped to ``[clip, 1 - clip]`` (``PredictorConfig.clip``).
-        l2: ridge penalty on the non-intercept weights.
-    """
-
-    kind = "history_path"
-    num_features = 6
-
-    def __init__(self, prior_alpha: float, prior_beta: float, *, clip: float = 0.02, l2: float = 1e-2) -> None:
-        cfg = PredictorConfig(kind=PredictorKind.HISTORY, prior_alpha=prior_alpha, prior_beta=prior_beta, clip=clip)
-        self.history = HistoryPredictor(cfg)
-        self.clip = clip
-        self.l2 = l2
-        self.weights: np.ndarray | None = None
-
-    # ---- features -------------------------------------------------------------------------------------
-    def _tree_features(self, tree: RolloutTree) -> tuple[np.ndarray, np.ndarray]:
-        """Per node of ``tree``: the prompt evidence's posterior mean (N,) and the features (N, F)."""
-        num_nodes = len(tree.nodes)
-        succ_below = np.zeros(num_nodes)
-        fail_below = np.zeros(num_nodes)
-        has_child = np.zeros(num_nodes, dtype=bool)
-        for node in tree.nodes[1:]:
-            has_child[node.parent_id] = True
-        for node in tree.nodes[1:]:
-            if not has_child[node.node_id] and node.origin == Origin.ROLLOUT:
-                reward = 0.0 if node.reward is None else float(node.reward)
-                succ_below[node.node_id] = reward
-                fail_below[node.node_id] = 1.0 - reward
-        for node in reversed(tree.nodes[1:]):
-            succ_below[node.parent_id] += succ_below[node.node_id]
-            fail_below[node.parent_id] += fail_below[node.node_id]
-        alpha, beta = self.history.posterior([tree.prompt_uid])
-        counted = tree.tree_id in self.history.counted_tree_ids
-        # evidence = earlier trees + this tree's root rollouts, less the rollouts below the node itself
-        succ = alpha[0] + (0.0 if counted else succ_below[0]) - succ_below
-        fail = beta[0] + (0.0 if counted else fail_below[0]) - fail_below
-        mean = succ / (succ + fail)
-        num_outcomes = succ + fail - self.history.cfg.prior_alpha - self.history.cfg.prior_beta
-        z = _logit(np.clip(mean, 1e-4, 1 - 1e-4))
-        ups = np.zeros(num_nodes)
-        downs = np.zeros(num_nodes)
-        last = np.zeros(num_nodes)
-        turns = np.zeros(num_nodes)
-        for node in tree.nodes[1:]:
-            parent = node.parent_id
-            up, down = node.observation_text == OBS_UP, node.observation_text == OBS_DOWN
-            ups[node.node_id] = ups[parent] + up
-            downs[node.node_id] = downs[parent] + down
-            last[node.node_id] = 1.0 if up else (-1.0 if down else 0.0)
-            turns[node.node_id] = turns[parent] + 1
-        features = np.stack([np.ones(num_nodes), z, z * np.log1p(np.maximum(num_outcomes, 0.0)), ups - downs, last,
-                             turns], axis=1)
-        return mean, features
-
-    # ---- the SuccessPredictor interface the benchmark uses --------------------------------------------
-    def predict_prompts(self, prompts: Sequence[Prompt], root_texts: Sequence[str], root_token_ids=None) -> np.ndarray:
-        """(B,) float64 posterior means of the prompts, clipped."""
-        return self.history.predict_prompts(prompts, root_texts)
-
-    def predict_trees(self, trees: Sequence[RolloutTree], node_ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
-        """One (K_i,) float64 array of predictions per tree, clipped to ``[clip, 1 - clip]``."""
-        out = []
-        for tree, ids in zip(trees, node_ids):
-            ids = np.asarray(ids, dtype=np.int64)
-            mean, features = self._tree_features(tree)
-            pred = mean[ids].copy()
-            turn = ids > 0
-            if self.weights is not None and turn.any():
-                pred[turn] = _sigmoid(features[ids[turn]] @ self.weights)
-            out.append(np.clip(pred, self.clip, 1.0 - self.clip))
-        return out
-
-    def predict_nodes(self, tree: RolloutTree, node_ids: Sequence[int]) -> np.ndarray:
-        return self.predict_trees([tree], [node_ids])[0]
-
-    def fit(self, trees: Sequence[RolloutTree], newton_steps: int = 25) -> dict[str, float]:
-        """Count the new trees' root outcomes, then refit the prefix regression on every labelled turn node.
-
-        Returns:
-            ``predictor/fit_examples`` (turn nodes) and ``predictor/fit_loss`` (weighted log loss, nats).
-        """
-        self.history.fit(trees)
-        rows, labels, weights = [], [], []
-        for tree in trees:
-            ids = [i for i in labelled_node_ids(tree) if i > 0]
-            if not ids:
-                continue
-            label, weight = tree.node_success_labels()
-            rows.append(self._tree_features(tree)[1][ids])
-            labels.append(label[ids])
-            weights.append(weight[ids])
-        if not rows:
-            return {"predictor/fit_examples": 0.0}
-        x, y, w = np.concatenate(rows), np.concatenate(labels), np.concatenate(weights)
-        coef = np.zeros(self.num_features) if self.weights is None else self.weights.copy()
-        penalty = np.full(self.num_features, self.l2 * w.sum())
-        penalty[0] = 0.0
-        for _ in range(newton_steps):
-            prob = _sigmoid(x @ coef)
-            grad = x.T @ (w * (prob - y)) + penalty * coef
-            hess = (x * (w * prob * (1.0 - prob))[:, None]).T @ x + np.diag(penalty + 1e-9)
-            step = np.linalg.solve(hess, grad)
-            coef -= step
-            if np.max(np.abs(step)) < 1e-8:
-                break
-        self.weights = coef
-        prob = np.clip(_sigmoid(x @ coef), 1e-12, 1 - 1e-12)
-        loss = -np.sum(w * (y * np.log(prob) + (1 - y) * np.log1p(-prob))) / w.sum()
-        return {"predictor/fit_examples": float(y.size), "predictor/fit_loss": float(loss)}
-
-
 def predictor_quality(predictor: Any, trees: Sequence[RolloutTree]) -> dict[str, float]:
     """Brier, ECE and AUC on the labelled nodes of ``trees`` (outcome-weighted, as ``predictor.evaluate``)."""
     keep = [(t, labelled_node_ids(t)) for t in trees]
@@ -321,72 +146,27 @@ def contrast_metrics(trees: Sequence[RolloutTree]) -> dict[str, float]:
             "root_contrast_per_rollout": root_weighted / roots if roots else float("nan")}
 
 
-def simulated_step(spec: AblationSpec, env: SimulatorEnvironment, pool: Sequence[Prompt], predictor: Any,
+def simulated_step(spec: Arm, env: SimulatorEnvironment, pool: Sequence[Prompt], predictor: Any,
                    acfg: AllocationConfig, *, seed: int, step: int) -> tuple[list[RolloutTree], dict[str, float]]:
     """One training step of arm ``spec`` with the simulator in place of the policy (no update).
 
+    Root rollouts draw from one stream (``sim-roots``), continuations from ``sim-branches`` and extra root
+    rollouts from ``sim-extra-roots``, all of ``(seed, step)``.
+
     Returns:
-        ``(trees, metrics)``: every tree sampled this step, and ``rollout_metrics`` plus the mixed-group
-        counts and contrast metrics of ``count_mixed_groups`` / ``contrast_metrics``.
+        ``(trees, metrics)``: every tree sampled this step, and the step's allocation diagnostics,
+        ``rollout_metrics`` plus the mixed-group counts and contrast metrics of ``count_mixed_groups`` /
+        ``contrast_metrics``.
     """
     idx = candidate_indices(len(pool), acfg.num_candidates, seed, step)
     candidates = [pool[i] for i in idx]
-    tie_keys = [p.prompt_uid for p in candidates]
-    roots_rng = step_rng(seed, step, "sim-roots")
-    metrics: dict[str, float] = {}
-    if spec.uses_predictor:
-        pred = np.asarray(predictor.predict_prompts(candidates, [p.question for p in candidates]), dtype=np.float64)
-    else:
-        pred = np.full(len(candidates), np.nan)
-    if spec.root_rule == "dapo":
-        sampled: list[RolloutTree] = []
-
-        def rollout_fn(cand_idx: np.ndarray, n: int) -> list[np.ndarray]:
-            trees = env.sample_root_rollouts([candidates[i] for i in cand_idx], [n] * len(cand_idx), roots_rng,
-                                             step=step, ablation=spec.name)
-            sampled.extend(trees)
-            return [t.leaf_rewards() for t in trees]
-
-        try:
-            result = run_dapo(rollout_fn, len(candidates), acfg.group_size, acfg.trajectory_budget,
-                              acfg.dapo_max_retries, step_rng(seed, step, "dapo"))
-            metrics["dapo/rounds"] = float(result.num_rounds)
-        except NoMixedGroupError as err:
-            metrics["dapo/rounds"] = float(err.num_rounds)
-            metrics["dapo/no_mixed_group"] = 1.0
-        trees = sampled
-    else:
-        plan = plan_root_counts(spec, pred, trajectory_budget=acfg.trajectory_budget,
-                                expansion_ratio=acfg.expansion_ratio, group_size=acfg.group_size,
-                                m_min=acfg.m_min, m_max=acfg.m_max, knapsack_m_min=acfg.knapsack_m_min,
-                                tie_keys=tie_keys, exact_max_cells=acfg.exact_max_cells)
-        active = np.flatnonzero(plan.counts)
-        counts = plan.counts[active]
-        trees = env.sample_root_rollouts([candidates[i] for i in active], counts, roots_rng, step=step,
-                                         ablation=spec.name)
-        for tree, i in zip(trees, active):
-            if spec.uses_predictor:
-                tree.root.pred_success_prob = float(pred[i])
-            tree.root.num_branches = int(plan.counts[i])  # as the training loop records roots
-        if spec.has_expansion and plan.expansion_budget > 0:
-            budgets = split_expansion_budget(counts, plan.expansion_budget)
-            anchor_probs = None
-            if spec.prefix_rule == "trace":
-                ids = [[node_id for node_id, _ in candidate_anchors(tree)] for tree in trees]
-                anchor_probs = {}
-                for t_idx, (tree, tree_ids, preds) in enumerate(zip(trees, ids, predictor.predict_trees(trees, ids))):
-                    for node_id, v in zip(tree_ids, preds):
-                        anchor_probs[(t_idx, node_id)] = float(v)
-                        tree.nodes[node_id].pred_success_prob = float(v)
-            expansion = plan_expansion(spec, trees, anchor_probs, budgets, step_rng(seed, step, "expand0"),
-                                       acfg.treepo_width)
-            env.sample_continuations(trees, expansion.counts, step_rng(seed, step, "sim-branches"))
-            if expansion.unspent > 0:
-                # as the loop does when no trajectory has a non-terminal prefix: extra bare rollouts
-                extra = split_expansion_budget(counts, expansion.unspent)
-                env.sample_continuations(trees, {(i, 0): int(k) for i, k in enumerate(extra) if k > 0},
-                                         step_rng(seed, step, "sim-extra-roots"))
-                metrics["allocation/extra_root_rollouts"] = float(expansion.unspent)
+    continuation_salts = {"branch0": "sim-branches", "extra_roots": "sim-extra-roots"}
+    sampler = SimulatorSampler(env, predictor, step_rng(seed, step, "sim-roots"),
+                               lambda salt: step_rng(seed, step, continuation_salts.get(salt, f"sim-{salt}")),
+                               step=step, ablation=spec.name)
+    result = allocate_step(spec, candidates, sampler, acfg, lambda salt: step_rng(seed, step, salt))
+    trees = result.sampled_trees
+    metrics: dict[str, float] = dict(result.metrics)
     metrics.update(rollout_metrics(trees, num_candidates=len(candidates)))
     num_prompt, num_anchor = count_mixed_groups(trees)
     metrics.update({"mixed_groups": float(num_prompt + num_anchor), "mixed_prompt_groups": float(num_prompt),
@@ -401,7 +181,7 @@ def seed_trees(env: SimulatorEnvironment, pool: Sequence[Prompt], seed: int) -> 
     trees = env.sample_root_rollouts(pool, [SEED_GROUP_SIZE] * len(pool), rng, step=-1, ablation="seed")
     budgets = split_expansion_budget(np.full(len(trees), SEED_GROUP_SIZE),
                                      int(round(SEED_GROUP_SIZE * SEED_EXPANSION_RATIO * len(trees))))
-    plan = plan_expansion(get_ablation("tree_random"), trees, None, budgets, rng)
+    plan = plan_expansion(get_arm("tree_random"), trees, None, budgets, rng)
     env.sample_continuations(trees, plan.counts, rng)
     return trees
 
@@ -440,7 +220,7 @@ def run_arm(arm: str, setting: str, env: SimulatorEnvironment, pool: Sequence[Pr
             acfg: AllocationConfig, *, seed: int, num_steps: int, window_steps: int, score_predictor: bool
             ) -> tuple[list[dict], list[dict]]:
     """``num_steps`` simulated steps of one arm with one predictor setting; (per-step metrics, predictor scores)."""
-    spec = get_ablation(arm)
+    spec = get_arm(arm)
     predictor = make_setting_predictor(setting, env, warm) if spec.uses_predictor else None
     learns = setting in ("history", "learned") and predictor is not None
     window: deque[list[RolloutTree]] = deque(maxlen=window_steps)
@@ -484,7 +264,7 @@ def plot(summary: dict, settings_order: Sequence[str], arms: Sequence[str], path
     colors["none"] = "0.55"
     for ax, (key, label) in zip(axes, panels):
         for a_idx, arm in enumerate(arms):
-            cells = [("none", 0.0)] if arm in PREDICTOR_FREE else [
+            cells = [("none", 0.0)] if not get_arm(arm).uses_predictor else [
                 (setting, (s_idx - (len(settings_order) - 1) / 2) * width)
                 for s_idx, setting in enumerate(settings_order)]
             for setting, offset in cells:
@@ -516,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         seeds, num_steps, pool_prompts = [0, 1, 2, 3, 4], 32, 256
         predictor_settings = ["oracle", "noisy_0.5", "noisy_1.0", "history", "learned"]
     sim_cfg = SimulatorConfig(num_prompts=pool_prompts)
-    arms = list(ABLATIONS)
+    arms = list(ARMS)
     settings = {"allocation": acfg.model_dump(mode="json"), "simulator": sim_cfg.model_dump(mode="json"),
                 "seeds": seeds, "steps_per_seed": num_steps, "predictors": predictor_settings,
                 "window_steps": window_steps, "warm_start": {"group_size": SEED_GROUP_SIZE,
@@ -531,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         warm = seed_trees(env, pool, seed)
         learned_prior.append(empirical_bayes_prior(warm))
         for arm in arms:
-            for setting in (["none"] if arm in PREDICTOR_FREE else predictor_settings):
+            for setting in (predictor_settings if get_arm(arm).uses_predictor else ["none"]):
                 steps, step_scores = run_arm(arm, setting, env, pool, warm, acfg, seed=seed, num_steps=num_steps,
                                              window_steps=window_steps, score_predictor=arm == "trace")
                 per_seed.setdefault(arm, {}).setdefault(setting, []).append(per_seed_means(steps))
@@ -546,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 "per_seed_effective_ratio": [m["effective_ratio"] for m in seed_means]}
 
     def cell(arm: str, setting: str) -> list[dict]:
-        return per_seed[arm]["none" if arm in PREDICTOR_FREE else setting]
+        return per_seed[arm][setting if get_arm(arm).uses_predictor else "none"]
 
     ratios: dict[str, dict] = {}
     for setting in predictor_settings:
@@ -554,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             for key in ("effective_ratio", "effective_token_ratio", "mixed_groups"):
                 vs_grpo = [a[key] / b[key] for a, b in zip(cell(arm, setting), cell("grpo", setting))]
                 ratios.setdefault(setting, {}).setdefault(arm, {})[f"{key}_vs_grpo"] = mean_std(vs_grpo)
-                if setting != "oracle" and arm not in PREDICTOR_FREE:
+                if setting != "oracle" and get_arm(arm).uses_predictor:
                     vs_oracle = [a[key] / b[key] for a, b in zip(cell(arm, setting), cell(arm, "oracle"))]
                     ratios[setting][arm][f"{key}_vs_oracle"] = mean_std(vs_oracle)
     predictor_scores = {s: {k: mean_std([x[k] for x in rows if k in x and np.isfinite(x[k])])

@@ -82,7 +82,7 @@ def stage_env(repo: Path) -> dict[str, str]:
 # ================================================================================================
 def warm_policy(cfg: Any, env: Any, sft_steps: int, sft_batch: int, sft_lr: float, cache: bool) -> tuple[Any, dict]:
     """The default tiny policy after ``sft_steps`` SFT steps (``run_warmup``), from the cache when present."""
-    from trace.loop import run_warmup
+    from trace.warmup import run_warmup
     from trace.policy.model import build_tiny_policy, load_policy, save_policy
 
     # the sections the warm weights depend on (not the predictor's or the allocation's)
@@ -114,7 +114,7 @@ def warm_policy(cfg: Any, env: Any, sft_steps: int, sft_batch: int, sft_lr: floa
 def default_steps(params: Path, num_steps: int, *, sft_steps: int, sft_batch: int, sft_lr: float, cache: bool,
                   predictor_kind: str | None = None, ablation: str = "trace") -> dict:
     """Run ``num_steps`` Trainer steps with MLflow logging; per-step ``time/*``, MLflow and Parquet timings."""
-    from trace.config import load_config
+    from trace.params_file import load_config
     from trace.envs.registry import make_environment
     from trace.loop import Trainer
     from trace.predictor import make_predictor

@@ -46,7 +46,7 @@ def prompt_ids(policy: Any, env: Any, count: int) -> list[list[int]]:
 
 def make_engine(policy: Any, batch_size: int, *, reuse_prefix_cache: bool = True) -> Any:
     """``HFBackend`` that decodes the whole batch at once, keeps no KV between calls and ignores EOS."""
-    from trace.policy.backends import HFBackend
+    from trace.policy.hf_backend import HFBackend
 
     backend = HFBackend(policy.model, policy.tokenizer, max_batch_size=batch_size,
                         reuse_prefix_cache=reuse_prefix_cache, keep_cache_between_calls=False)
@@ -124,7 +124,8 @@ def rollout_roots_throughput(policy: Any, env: Any, num_prompts: int, group_size
     """Tokens per second of ``rollout_roots`` (engine, environment and tree records) on kgqa prompts."""
     import statistics
 
-    from trace.rollout import SamplingSpec, rollout_roots
+    from trace.rollout import rollout_roots
+    from trace.sampling import SamplingSpec
 
     prompts = env.prompts("train")[:num_prompts]
     times, tokens, turns = [], 0, 0

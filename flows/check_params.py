@@ -54,7 +54,8 @@ def check_params(path: str | Path, overrides: dict | None = None, undo_hint: boo
     Returns:
         ``None`` when valid, else the message to print: every bad key with its value and rule, then the fix.
     """
-    from trace.config import ConfigError, load_config
+    from trace.config import ConfigError
+    from trace.params_file import load_config
 
     try:
         cfg = load_config(path, overrides=overrides)

@@ -10,6 +10,8 @@ import argparse
 import os
 from pathlib import Path
 
+from trace.process_env import setup_process_env  # the stages' environment (also the Makefile's)
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DATA = REPO_ROOT / "data"
 PREPARED = DATA / "prepared"
@@ -24,32 +26,6 @@ REPORTS = REPO_ROOT / "reports"
 METRICS = REPO_ROOT / "metrics"
 # training checkpoints, kept out of every DVC output (see checkpoint_store)
 CHECKPOINTS = Path("data") / "checkpoints"
-
-_DEFAULT_ENV = {
-    "DS_ACCELERATOR": "cpu",
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "PREFECT_LOGGING_LEVEL": "WARNING",
-    "PREFECT_HOME": str(REPO_ROOT / ".prefect"),
-    "DO_NOT_TRACK": "1",
-    "HF_HUB_OFFLINE": "1",
-    "HF_HUB_DISABLE_TELEMETRY": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
-
-
-def setup_process_env() -> None:
-    """Set the environment the stages need, keeping anything the user already set."""
-    for key, value in _DEFAULT_ENV.items():
-        os.environ.setdefault(key, value)
-    if os.environ.get("DS_ACCELERATOR") == "cpu":
-        try:
-            import torch
-
-            if torch.cuda.is_available():
-                os.environ["DS_ACCELERATOR"] = "cuda"
-        except ImportError:
-            pass
-
 
 def run_dir(ablation: str) -> Path:
     return RUNS / ablation
@@ -78,7 +54,7 @@ def stage_args(description: str, *, ablation: bool = False, argv: list[str] | No
 
 
 def load_stage_config(args: argparse.Namespace):
-    from trace.config import load_config
+    from trace.params_file import load_config
 
     return load_config(args.params)
 
@@ -154,7 +130,7 @@ def stage_main(flow_fn, description: str, *, ablation: bool = False, argv: list[
     if not ablation:
         with owned_flow_runs():  # flow runs of killed stages end Crashed; this one is tagged with its process
             return flow_fn(args.params)
-    valid = [a.value for a in cfg.train.ablations]
+    valid = list(cfg.train.ablations)
     if args.ablation not in valid:
         raise SystemExit(f"--ablation {args.ablation!r} is not in train.ablations {valid} of {args.params}")
     with owned_flow_runs():

@@ -24,8 +24,8 @@ def arm_metrics(eval_metrics: dict, train_summary: dict) -> dict:
 
 @flow(name="evaluate", log_prints=False)
 def evaluate_flow(params: str, ablation: str) -> dict:
-    from trace.config import load_config
-    from trace.loop import evaluate_policy
+    from trace.params_file import load_config
+    from trace.evaluation import evaluate_policy
     from trace.tracking import arm_result_metrics
 
     cfg = load_config(params)

@@ -11,16 +11,18 @@ from flows.common import stage_main, PREPARED, build_environment, open_run, stag
 
 def task_prompts(cfg, env, split: str):
     """Prompts of a split: the environment's own (generated tasks) or the task's data files."""
-    if hasattr(env, "prompts"):
+    from trace.envs.base import GeneratesPrompts
+
+    if isinstance(env, GeneratesPrompts):
         return list(env.prompts(split))
-    from trace.data import load_prompts
+    from trace.data.splits import load_prompts
 
     return load_prompts(cfg.task, split)
 
 
 @flow(name="prepare", log_prints=False)
 def prepare_flow(params: str) -> dict:
-    from trace.config import load_config
+    from trace.params_file import load_config
     from trace.prepared import check_unique_prompt_uids, save_prompts
 
     cfg = load_config(params)

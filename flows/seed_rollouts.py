@@ -10,18 +10,16 @@ from flows.common import stage_main, METRICS, SEED_TREES, WARMUP_MODEL, build_en
 
 @flow(name="seed_rollouts", log_prints=False)
 def seed_rollouts_flow(params: str) -> dict:
-    from trace.config import load_config
-    from trace.loop import collect_seed_rollouts, step_rng
+    from trace.params_file import load_config
     from trace.metrics import rollout_metrics
+    from trace.seed_rollouts import choose_seed_prompts, collect_seed_rollouts
     from trace.tree_io import write_trees
 
     cfg = load_config(params)
     env = build_environment(cfg)
     train = read_split("train")
     policy = load_stage_policy(cfg, WARMUP_MODEL)
-    rng = step_rng(cfg.seed, -1, "seed_prompts")
-    pick = rng.choice(len(train), size=min(cfg.seed_rollouts.num_prompts, len(train)), replace=False)
-    prompts = [train[i] for i in sorted(pick)]
+    prompts = choose_seed_prompts(train, cfg.seed_rollouts.num_prompts, cfg.seed)
     with open_run(cfg, "seed_rollouts", stage_params(cfg, "seed_rollouts")) as run:
         trees = collect_seed_rollouts(policy, env, prompts, cfg)
         write_trees([t.copy_without_state() for t in trees], SEED_TREES / "trees.parquet")

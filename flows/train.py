@@ -94,9 +94,10 @@ def train_steps(trainer, until_step: int) -> int:
 
 @flow(name="train", log_prints=False)
 def train_flow(params: str, ablation: str) -> dict:
-    from trace.config import load_config
-    from trace.loop import Trainer, check_candidate_pool
+    from trace.params_file import load_config
+    from trace.loop import Trainer
     from trace.predictor import load_predictor
+    from trace.seeding import check_candidate_pool
     from trace.tracking import metric_key, summary_metrics
 
     cfg = load_config(params)

@@ -14,27 +14,18 @@ from flows.common import stage_main, METRICS, WARMUP_MODEL, build_environment, o
     stage_params, write_json
 
 
-def build_policy(cfg, env):
-    from trace.policy.model import build_tiny_policy, load_pretrained_policy
-
-    if cfg.policy.kind == "tiny":
-        if not hasattr(env, "vocabulary"):
-            raise ValueError(f"policy.kind=tiny needs a task with a closed vocabulary; task {cfg.task.name.value} "
-                             "has none: use policy.kind=pretrained")
-        return build_tiny_policy(cfg.policy, env.vocabulary(), cfg.seed)
-    return load_pretrained_policy(cfg.policy, env.observation_marker)
-
-
 @flow(name="warmup", log_prints=False)
 def warmup_flow(params: str) -> dict:
-    from trace.config import load_config
-    from trace.loop import evaluate_policy, run_warmup
+    from trace.params_file import load_config
+    from trace.evaluation import evaluate_policy
+    from trace.policy.build import build_policy
     from trace.policy.model import save_policy
+    from trace.warmup import run_warmup
 
     cfg = load_config(params)
     env = build_environment(cfg)
     train, evals = read_split("train"), read_split("eval")
-    policy = build_policy(cfg, env)
+    policy = build_policy(cfg.policy, env, cfg.seed, cfg.task.name.value)
     with open_run(cfg, "warmup", stage_params(cfg, "warmup")) as run:
         summary: dict = {"warmup/num_parameters": policy.num_parameters}
         if cfg.warmup.enabled and hasattr(env, "solve"):

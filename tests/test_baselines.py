@@ -5,25 +5,20 @@ import pytest
 
 from tests.test_advantages import make_tree
 from trace.advantages import ESTIMATORS
-from trace.allocation.baselines import (
-    ABLATIONS,
-    PREFIX_RULES,
-    ROOT_RULES,
-    NoMixedGroupError,
-    get_ablation,
-    plan_expansion,
-    plan_root_counts,
-    run_dapo,
-)
+from trace.allocation.arms import ARMS, get_arm, plan_root_counts
+from trace.allocation.dapo import NoMixedGroupError, run_dapo
+from trace.allocation.prefix_rules import plan_expansion
+from trace.allocation.registry import PREFIX_RULES, ROOT_RULES
 from trace.allocation.prefix import allocate_prefixes, candidate_anchors, split_expansion_budget
 from trace.allocation.root import allocate_roots
-from trace.config import Ablation, AllocationConfig
+from trace.config import AllocationConfig
+
+ARM_NAMES = ("grpo", "dapo", "knapsack", "pcl", "tree_random", "treepo", "trace_root", "trace_prefix", "trace")
 
 
 def plan(name, p, budget=128, ratio=1.0, group_size=8, m_min=2, m_max=16, tie_keys=None):
-    return plan_root_counts(get_ablation(name), p, trajectory_budget=budget, expansion_ratio=ratio,
-                            group_size=group_size, m_min=m_min, m_max=m_max, rng=np.random.default_rng(0),
-                            tie_keys=tie_keys)
+    return plan_root_counts(get_arm(name), p, trajectory_budget=budget, expansion_ratio=ratio,
+                            group_size=group_size, m_min=m_min, m_max=m_max, tie_keys=tie_keys)
 
 
 def rollout_trees(counts, turns=3, seed=0):
@@ -44,18 +39,18 @@ def all_anchor_probs(trees, value=0.4):
 
 # ---- registry ----------------------------------------------------------------------------------------------
 def test_registry_covers_every_config_ablation_with_valid_rules():
-    assert set(ABLATIONS) == {a.value for a in Ablation}
-    for spec in ABLATIONS.values():
+    assert set(ARMS) == set(ARM_NAMES)
+    for spec in ARMS.values():
         assert spec.root_rule in ROOT_RULES and spec.prefix_rule in PREFIX_RULES
         assert spec.estimator in ESTIMATORS
-    assert get_ablation(Ablation.TRACE) is ABLATIONS["trace"]
-    assert get_ablation("treepo").estimator == "treepo"
+    assert get_arm("trace") is ARMS["trace"]
+    assert get_arm("treepo").estimator == "treepo"
 
 
 def test_unknown_ablation_lists_valid_names():
     with pytest.raises(ValueError) as err:
-        get_ablation("ppo")
-    for name in ABLATIONS:
+        get_arm("ppo")
+    for name in ARMS:
         assert name in str(err.value)
 
 
@@ -90,11 +85,11 @@ def test_knapsack_keeps_the_highest_value_prompts_when_short_of_budget():
 def test_knapsack_gives_every_candidate_its_own_floor_while_trace_root_may_skip():
     p = np.random.default_rng(3).random(32)
     kwargs = dict(trajectory_budget=128, expansion_ratio=1.0, group_size=8, m_min=8, m_max=16)
-    knapsack = plan_root_counts(get_ablation("knapsack"), p, knapsack_m_min=2, **kwargs)
+    knapsack = plan_root_counts(get_arm("knapsack"), p, knapsack_m_min=2, **kwargs)
     assert knapsack.counts.min() >= 2 and knapsack.counts.sum() == 128
     assert knapsack.info["allow_skip"] is False
     np.testing.assert_array_equal(knapsack.counts, allocate_roots(p, 128, 2, 16, allow_skip=False).counts)
-    trace_root = plan_root_counts(get_ablation("trace_root"), p, knapsack_m_min=2, **kwargs)
+    trace_root = plan_root_counts(get_arm("trace_root"), p, knapsack_m_min=2, **kwargs)
     assert set(np.unique(trace_root.counts)) <= {0} | set(range(8, 17))  # m_min 8 holds for trace_root
     assert (trace_root.counts == 0).any()
 
@@ -126,7 +121,7 @@ def test_dapo_is_refused_by_the_planner():
 
 
 # ---- equal budget ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", [a.value for a in Ablation if a is not Ablation.DAPO])
+@pytest.mark.parametrize("name", [a for a in ARM_NAMES if a != "dapo"])
 @pytest.mark.parametrize("budget,ratio,num_candidates", [(128, 1.0, 32), (130, 0.5, 20), (64, 3.0, 40)])
 def test_every_rule_samples_exactly_the_trajectory_budget(name, budget, ratio, num_candidates):
     p = np.random.default_rng(2).random(num_candidates)
@@ -134,7 +129,7 @@ def test_every_rule_samples_exactly_the_trajectory_budget(name, budget, ratio, n
     active = np.flatnonzero(roots.counts)
     trees = rollout_trees(roots.counts)
     per_tree = split_expansion_budget(roots.counts[active], roots.expansion_budget)
-    expansion = plan_expansion(get_ablation(name), trees, all_anchor_probs(trees), per_tree,
+    expansion = plan_expansion(get_arm(name), trees, all_anchor_probs(trees), per_tree,
                                np.random.default_rng(3), treepo_width=2)
     assert expansion.unspent == 0
     assert int(roots.counts.sum()) + expansion.total == budget
@@ -146,7 +141,7 @@ def test_every_rule_samples_exactly_the_trajectory_budget(name, budget, ratio, n
 def test_trace_expansion_is_allocate_prefixes_on_each_tree():
     trees = rollout_trees([3, 4], seed=5)
     probs = {key: 0.1 + 0.8 * ((key[1] * 37) % 10) / 10 for key in all_anchor_probs(trees)}
-    result = plan_expansion(get_ablation("trace"), trees, probs, [3, 4], np.random.default_rng(0))
+    result = plan_expansion(get_arm("trace"), trees, probs, [3, 4], np.random.default_rng(0))
     for t, tree in enumerate(trees):
         anchors = candidate_anchors(tree)
         expected = allocate_prefixes([a[1] for a in anchors], [probs[(t, a[0])] for a in anchors], [3, 4][t],
@@ -160,12 +155,12 @@ def test_trace_expansion_needs_every_anchor_scored():
     probs = all_anchor_probs(trees)
     probs.pop(next(iter(probs)))
     with pytest.raises(KeyError, match="score every candidate anchor"):
-        plan_expansion(get_ablation("trace"), trees, probs, [2], np.random.default_rng(0))
+        plan_expansion(get_arm("trace"), trees, probs, [2], np.random.default_rng(0))
 
 
 def test_random_expansion_is_reproducible_and_uses_only_candidates():
     trees = rollout_trees([4, 4])
-    spec = get_ablation("tree_random")
+    spec = get_arm("tree_random")
     first = plan_expansion(spec, trees, None, [5, 3], np.random.default_rng(7))
     second = plan_expansion(spec, trees, None, [5, 3], np.random.default_rng(7))
     assert first.counts == second.counts and first.total == 8
@@ -174,7 +169,7 @@ def test_random_expansion_is_reproducible_and_uses_only_candidates():
 
 def test_treepo_branches_shallowest_depth_first_at_fixed_width():
     tree, ids = make_tree([(0, 0, 0), (1, 0, 0)], [1.0, 0.0])  # anchors (0,), (1,) at turn 0; (0,0), (1,0) at turn 1
-    spec = get_ablation("treepo")
+    spec = get_arm("treepo")
     five = plan_expansion(spec, [tree], None, [5], np.random.default_rng(0), treepo_width=2).counts
     assert five[(0, ids[(0,)])] == 2 and five[(0, ids[(1,)])] == 2
     assert five.get((0, ids[(0, 0)]), 0) + five.get((0, ids[(1, 0)]), 0) == 1
@@ -188,22 +183,22 @@ def test_anchorless_trees_hand_their_budget_to_the_others():
     one_turn = rollout_trees([3], turns=1)[0]
     with_anchors_b = rollout_trees([2], turns=2)[0]
     trees = [with_anchors_a, one_turn, with_anchors_b]
-    result = plan_expansion(get_ablation("tree_random"), trees, None, [4, 6, 2], np.random.default_rng(0))
+    result = plan_expansion(get_arm("tree_random"), trees, None, [4, 6, 2], np.random.default_rng(0))
     assert result.budget_per_tree.tolist() == [8, 0, 4]  # 6 split 4:2
     assert result.total == 12 and result.unspent == 0
 
 
 def test_without_any_anchor_the_budget_is_returned_unspent():
     trees = rollout_trees([3, 2], turns=1)
-    result = plan_expansion(get_ablation("trace"), trees, {}, [3, 5], np.random.default_rng(0))
+    result = plan_expansion(get_arm("trace"), trees, {}, [3, 5], np.random.default_rng(0))
     assert result.counts == {} and result.unspent == 8
 
 
 def test_arms_without_expansion_refuse_continuations():
     trees = rollout_trees([2])
     with pytest.raises(ValueError, match="no prefix expansion"):
-        plan_expansion(get_ablation("grpo"), trees, None, [2], np.random.default_rng(0))
-    assert plan_expansion(get_ablation("grpo"), trees, None, [0], np.random.default_rng(0)).total == 0
+        plan_expansion(get_arm("grpo"), trees, None, [2], np.random.default_rng(0))
+    assert plan_expansion(get_arm("grpo"), trees, None, [0], np.random.default_rng(0)).total == 0
 
 
 # ---- dapo --------------------------------------------------------------------------------------------------

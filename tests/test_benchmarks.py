@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from benchmarks import allocation_quality, orchestration, rollout_engine, run_all, solver_speed
-from trace.allocation.baselines import ABLATIONS, get_ablation
+from trace.allocation.arms import ARMS, get_arm
 from trace.allocation.prefix import allocate_prefixes, prefix_value
 from trace.config import AllocationConfig, PredictorConfig, PredictorKind, SimulatorConfig
 from trace.envs.simulator import SimulatorEnvironment
@@ -134,8 +134,8 @@ def test_simulated_step_spends_the_trajectory_budget_for_every_arm():
     acfg = AllocationConfig(trajectory_budget=32, num_candidates=8, group_size=4, m_max=8)
     env = SimulatorEnvironment(SimulatorConfig(num_prompts=32), seed=1)
     oracle = make_predictor(PredictorConfig(kind=PredictorKind.ORACLE), env=env)
-    for arm in ABLATIONS:
-        _, metrics = allocation_quality.simulated_step(get_ablation(arm), env, env.prompts(), oracle, acfg,
+    for arm in ARMS:
+        _, metrics = allocation_quality.simulated_step(get_arm(arm), env, env.prompts(), oracle, acfg,
                                                        seed=0, step=0)
         assert metrics["rollout/trajectories"] == 32 or (arm == "dapo" and metrics["rollout/trajectories"] <= 32)
 

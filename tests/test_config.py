@@ -2,8 +2,9 @@ from pathlib import Path
 
 import pytest
 
-from trace.config import (Ablation, Config, ConfigError, config_from_dict, load_config, parse_params_yaml,
-                          read_params_file)
+from trace.allocation.arms import ARMS
+from trace.config import Config, ConfigError, config_from_dict
+from trace.params_file import load_config, parse_params_yaml, read_params_file
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,7 +78,7 @@ def test_params_hash_changes_with_a_param_and_is_stable():
 
 
 def test_default_ablations_are_every_arm():
-    assert set(config_from_dict({}).train.ablations) == set(Ablation)
+    assert set(config_from_dict({}).train.ablations) == set(ARMS)
 
 
 def test_params_hash_ignores_the_arm_list_and_orchestration():

@@ -1,14 +1,20 @@
 import json
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from trace.config import DataFileConfig, TaskConfig, TaskName
-from trace.data import (DataError, load_prompts, load_split, make_task_environment, resolve_data_path)
+from trace.data_paths import DataError, resolve_data_path
+from trace.data.splits import load_prompts, load_split
 from trace.envs.fc import FunctionCallingEnvironment
 from trace.envs.math import MathEnvironment
-from trace.envs.qa import ContextBM25Retriever, CorpusBM25Retriever, QAEnvironment
+from trace.envs.qa import QAEnvironment
+from trace.envs.registry import make_environment
+from trace.envs.retrieval import ContextBM25Retriever, CorpusBM25Retriever
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 needs_data = pytest.mark.skipif(not SHARED_DATA.is_dir(), reason=f"offline data folder {SHARED_DATA} not present")
@@ -363,22 +369,22 @@ def test_paths_outside_the_allowed_roots_are_refused(tmp_path, monkeypatch):
 # ---- environment construction -----------------------------------------------------------------------------
 
 @needs_data
-def test_make_task_environment_builds_each_kind():
-    hotpot = make_task_environment(TaskConfig(name=TaskName.HOTPOTQA, max_turns=4), "eval")
+def test_the_registry_builds_each_kind_and_checks_the_given_prompts():
+    hotpot_cfg = TaskConfig(name=TaskName.HOTPOTQA, max_turns=4)
+    hotpot = make_environment(hotpot_cfg, 0, prompts=load_prompts(hotpot_cfg, "eval"))
     assert isinstance(hotpot, QAEnvironment) and isinstance(hotpot.retriever, ContextBM25Retriever)
     assert (hotpot.name, hotpot.max_turns, hotpot.top_k) == ("hotpotqa", 4, 3)
-    bamboogle = make_task_environment(task(TaskName.BAMBOOGLE, train_path="../shared/data/bamboogle/"
-                                           "bamboogle_test_questions_and_answers.json", corpus_path="../shared/data/"
-                                           "musique/hipporag_original_format/musique_train_corpus.json"))
+    bamboogle = make_environment(task(TaskName.BAMBOOGLE, train_path="../shared/data/bamboogle/"
+                                      "bamboogle_test_questions_and_answers.json", corpus_path="../shared/data/"
+                                      "musique/hipporag_original_format/musique_train_corpus.json"), 0)
     assert isinstance(bamboogle.retriever, CorpusBM25Retriever) and bamboogle.retriever.num_passages == 1890
-    gsm = make_task_environment(TaskConfig(name=TaskName.GSM8K), [], seed=3)
+    gsm = make_environment(TaskConfig(name=TaskName.GSM8K), 3, prompts=[])
     assert isinstance(gsm, MathEnvironment) and gsm.name == "gsm8k"
-    fc = make_task_environment(TaskConfig(name=TaskName.API_BANK, max_turns=2))
+    fc = make_environment(TaskConfig(name=TaskName.API_BANK, max_turns=2), 0)
     assert isinstance(fc, FunctionCallingEnvironment) and (fc.name, fc.max_turns) == ("api_bank", 2)
     with pytest.raises(DataError, match="belongs to 'gsm8k'"):
-        make_task_environment(TaskConfig(name=TaskName.MATH), load_prompts(task(TaskName.GSM8K, max_eval=1), "eval"))
-    with pytest.raises(DataError, match="registry"):
-        make_task_environment(TaskConfig(name=TaskName.SIMULATOR))
+        make_environment(TaskConfig(name=TaskName.MATH), 0,
+                         prompts=load_prompts(task(TaskName.GSM8K, max_eval=1), "eval"))
 
 
 @needs_data
@@ -391,3 +397,24 @@ def test_the_registry_builds_every_real_task_through_the_module_factories():
     for name, kind in kinds.items():
         env = registry.make_environment(TaskConfig(name=name, max_turns=3), 0, root=repo_root)
         assert isinstance(env, kind) and env.name == name.value and env.max_turns == 3
+
+
+# ---- package layout ---------------------------------------------------------------------------------------
+
+def _run_python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], text=True,
+                          capture_output=True, env={**os.environ, "PYTHONPATH": "."})
+
+
+@pytest.mark.parametrize("first", ["trace.envs.qa", "trace.data", "trace.data.splits", "trace.envs.registry"])
+def test_the_loaders_and_environments_import_in_any_order(first):
+    done = _run_python(f"import {first}\nfrom trace.data import DataError, load_prompts, load_split\n"
+                       "from trace.data.splits import load_prompts as direct\nassert load_prompts is direct")
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_paths_module_loads_no_environment():
+    done = _run_python("import sys, trace.data_paths\n"
+                       "print(sorted(m for m in sys.modules if m.startswith('trace.envs')))")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -6,10 +6,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trace.config import DataFileConfig, TaskConfig, TaskName
-from trace.data import load_prompts, make_task_environment
+from trace.data.splits import load_prompts
 from trace.envs.base import EpisodeFinishedError
-from trace.envs.fc import (CallSyntaxError, FunctionCall, FunctionCallingEnvironment, _assign, check_api_bank_calls,
-                           check_bfcl_calls, parse_calls, render_call, standardize_string)
+from trace.envs.api_bank import check_api_bank_calls
+from trace.envs.bfcl import _assign, check_bfcl_calls, standardize_string
+from trace.envs.calls import CallSyntaxError, FunctionCall, parse_calls, render_call
+from trace.envs.fc import FunctionCallingEnvironment
+from trace.envs.registry import make_environment
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 needs_data = pytest.mark.skipif(not SHARED_DATA.is_dir(), reason=f"offline data folder {SHARED_DATA} not present")
@@ -280,10 +283,10 @@ def test_turn_limit_truncates_without_a_call(bfcl):
 
 @needs_checker
 def test_function_calling_environments_pass_the_checker(bfcl):
-    env = make_task_environment(TaskConfig(name=TaskName.BFCL))
+    env = make_environment(TaskConfig(name=TaskName.BFCL), 0)
     prompts = [bfcl[i] for i in ("simple_python_0", "multiple_8", "parallel_0", "parallel_multiple_0", "irrelevance_0",
                                  "live_parallel_0-0-0")]
     check_environment(env, prompts, num_random_episodes=12)
     cfg = TaskConfig(name=TaskName.API_BANK, files=DataFileConfig(max_eval=3))
     api_prompts = load_prompts(cfg, "eval")
-    check_environment(make_task_environment(cfg, api_prompts), api_prompts, num_random_episodes=6)
+    check_environment(make_environment(cfg, 0, prompts=api_prompts), api_prompts, num_random_episodes=6)

@@ -8,11 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trace.config import DataFileConfig, TaskConfig, TaskName
-from trace.data import load_prompts, make_task_environment
+from trace.data.splits import load_prompts
 from trace.envs.answers import extract_boxed, is_empty_math_answer, math_answers_match, parse_number
 from trace.envs.base import EpisodeFinishedError, Prompt
 from trace.envs.math import (CalculatorError, MathEnvironment, format_number, gsm8k_calculations, gsm8k_final_answer,
                              safe_calculate)
+from trace.envs.registry import make_environment
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 needs_data = pytest.mark.skipif(not SHARED_DATA.is_dir(), reason=f"offline data folder {SHARED_DATA} not present")
@@ -251,7 +252,7 @@ def test_answers_with_a_number_or_a_symbol_are_not_empty(answer):
 def test_real_gsm8k_golds_score_one_and_near_misses_zero():
     cfg = TaskConfig(name=TaskName.GSM8K, files=DataFileConfig(eval_fraction=0.0, max_train=200))
     prompts = load_prompts(cfg, "train")
-    env = make_task_environment(cfg, prompts)
+    env = make_environment(cfg, 0, prompts=prompts)
     large = [p for p in prompts if int(float(p.answer)) >= 1000]
     assert large, "expected some answers >= 1000 among the first 200 problems"
     for prompt in prompts[:50] + large[:5]:
@@ -294,15 +295,15 @@ def test_real_aime_and_amc_golds():
 @needs_data
 def test_math_environments_pass_the_checker(tmp_path):
     gsm = TaskConfig(name=TaskName.GSM8K, files=DataFileConfig(max_eval=3))
-    check_environment(make_task_environment(gsm), load_prompts(gsm, "eval"), num_random_episodes=8)
+    check_environment(make_environment(gsm, 0), load_prompts(gsm, "eval"), num_random_episodes=8)
     aime = TaskConfig(name=TaskName.AIME_AMC, files=DataFileConfig(max_eval=3))
-    check_environment(make_task_environment(aime), load_prompts(aime, "eval"), num_random_episodes=8)
+    check_environment(make_environment(aime, 0), load_prompts(aime, "eval"), num_random_episodes=8)
     math_file = tmp_path / "math.jsonl"
     math_file.write_text(json.dumps({"problem": "Compute $\\frac{1}{2}+\\frac{1}{4}$.", "level": "Level 1",
                                      "type": "Algebra", "solution": "It is $\\boxed{\\frac{3}{4}}$."}) + "\n")
     math_cfg = TaskConfig(name=TaskName.MATH, files=DataFileConfig(train_path=str(math_file), eval_fraction=0.0))
     prompts = load_prompts(math_cfg, "train", allowed_roots=[tmp_path])
-    env = make_task_environment(math_cfg, prompts)
+    env = make_environment(math_cfg, 0, prompts=prompts)
     check_environment(env, prompts, num_random_episodes=4)
     state, _ = env.reset(prompts[0])
     assert env.step(state, "Action: finish[0.75]").reward == 1.0

@@ -7,11 +7,14 @@ from pathlib import Path
 import pytest
 
 from trace.config import DataFileConfig, TaskConfig, TaskName
-from trace.data import DataError, load_prompts, make_task_environment
+from trace.data_paths import DataError
+from trace.data.splits import load_prompts
 from trace.envs.answers import answer_f1, normalize_answer, parse_action, ParsedAction, ActionError, qa_scores
 from trace.envs.base import EpisodeFinishedError, Prompt
-from trace.envs.qa import (ContextBM25Retriever, CorpusBM25Retriever, HttpRetriever, Passage, QAEnvironment,
-                           RetrieverError, gold_aliases, load_passages)
+from trace.envs.qa import QAEnvironment, gold_aliases
+from trace.envs.registry import make_environment
+from trace.envs.retrieval import (ContextBM25Retriever, CorpusBM25Retriever, HttpRetriever, Passage, RetrieverError,
+                                  load_passages)
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 needs_data = pytest.mark.skipif(not SHARED_DATA.is_dir(), reason=f"offline data folder {SHARED_DATA} not present")
@@ -280,25 +283,25 @@ def test_http_retriever_failure_names_the_server():
 
 
 @needs_data
-def test_make_task_environment_picks_the_retriever_by_precedence(retrieval_server):
+def test_make_environment_picks_the_retriever_by_precedence(retrieval_server):
     url, _ = retrieval_server
-    hotpot = make_task_environment(TaskConfig(name=TaskName.HOTPOTQA, retrieval_top_k=4, max_turns=6))
+    hotpot = make_environment(TaskConfig(name=TaskName.HOTPOTQA, retrieval_top_k=4, max_turns=6), 0)
     assert isinstance(hotpot.retriever, ContextBM25Retriever) and (hotpot.top_k, hotpot.max_turns) == (4, 6)
-    served = make_task_environment(TaskConfig(name=TaskName.NQ, retriever_url=url))
+    served = make_environment(TaskConfig(name=TaskName.NQ, retriever_url=url), 0)
     assert isinstance(served.retriever, HttpRetriever) and served.retriever.url == url + "/retrieve"
     nq = TaskConfig(name=TaskName.NQ, files=DataFileConfig(max_eval=2))
     with pytest.raises(DataError, match="no context paragraphs"):
-        make_task_environment(nq, "eval")
+        make_environment(nq, 0, prompts=load_prompts(nq, "eval"))
 
 
 @needs_checker
 @needs_data
 def test_qa_environments_pass_the_checker(hotpot, wiki_slice, retrieval_server):
-    check_environment(make_task_environment(TaskConfig(name=TaskName.HOTPOTQA)), hotpot[:3], num_random_episodes=8)
+    check_environment(make_environment(TaskConfig(name=TaskName.HOTPOTQA), 0), hotpot[:3], num_random_episodes=8)
     musique_cfg = TaskConfig(name=TaskName.MUSIQUE, files=DataFileConfig(max_eval=2))
-    check_environment(make_task_environment(musique_cfg), load_prompts(musique_cfg, "eval"), num_random_episodes=6)
+    check_environment(make_environment(musique_cfg, 0), load_prompts(musique_cfg, "eval"), num_random_episodes=6)
     wiki_prompts = load_prompts(TaskConfig(name=TaskName.TWOWIKI, files=DataFileConfig(max_eval=2)), "eval")
     check_environment(QAEnvironment("2wikimultihopqa", wiki_slice), wiki_prompts, num_random_episodes=6)
     url, _ = retrieval_server
     nq_cfg = TaskConfig(name=TaskName.NQ, retriever_url=url, files=DataFileConfig(max_eval=2))
-    check_environment(make_task_environment(nq_cfg), load_prompts(nq_cfg, "eval"), num_random_episodes=6)
+    check_environment(make_environment(nq_cfg, 0), load_prompts(nq_cfg, "eval"), num_random_episodes=6)

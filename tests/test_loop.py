@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trace.config import ConfigError, config_from_dict
-from trace.loop import candidate_indices, check_candidate_pool, step_seed
+from trace.seeding import candidate_indices, check_candidate_pool, step_seed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,7 +90,7 @@ def test_a_pool_smaller_than_the_candidates_fails_at_config_load(task, key):
 
 # ---- the dapo arm's step -------------------------------------------------------------------------------------
 def tiny_trainer(ablation, run_dir):
-    from trace.config import load_config
+    from trace.params_file import load_config
     from trace.envs.registry import make_environment
     from trace.loop import Trainer
     from trace.policy.model import build_tiny_policy

@@ -22,6 +22,16 @@ BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.slow
 
 _SKIP = {".git", ".venv", "data", "mlruns", ".prefect", "__pycache__", ".hypothesis", "reports", ".pytest_cache"}
+_TOP_LEVEL_ONLY = {"data", "reports", "metrics"}  # outputs at the repository root; trace/data is code
+
+
+def copy_project(dst: Path, skip: set[str] = _SKIP) -> None:
+    """Copy the working tree to ``dst`` without its outputs, caches and databases."""
+    def ignore(folder: str, names: list[str]) -> list[str]:
+        top = Path(folder) == ROOT
+        return [n for n in names if n.endswith(".db") or (n in skip and (top or n not in _TOP_LEVEL_ONLY))]
+
+    shutil.copytree(ROOT, dst, ignore=ignore)
 
 
 def _free_port() -> int:
@@ -46,7 +56,7 @@ def _env(project: Path, api_url: str) -> dict:
 def project(tmp_path_factory):
     """A copy of the working tree with the tiny params file and a running Prefect server."""
     dst = tmp_path_factory.mktemp("project") / "trace"
-    shutil.copytree(ROOT, dst, ignore=lambda d, names: [n for n in names if n in _SKIP or n.endswith(".db")])
+    copy_project(dst)
     shutil.copy(ROOT / "tests" / "params_tiny.yaml", dst / "params.yaml")
     subprocess.run(["git", "init", "-q"], cwd=dst, check=True)
     # a first commit: experiments (dvc exp run) are based on one
@@ -138,7 +148,7 @@ def _without_times(data: dict) -> dict:
 def test_a_killed_dvc_exp_run_resumes_training_and_records_the_experiment(project):
     """SIGKILL during train@dapo after its step-2 checkpoint; the same `dvc exp run` again resumes at step 2
     (though DVC restores the stage's outputs from dvc.lock first) and ends as an uninterrupted run does."""
-    from trace.config import load_config
+    from trace.params_file import load_config
     from trace.tree_io import tree_path
 
     project_dir, env = project

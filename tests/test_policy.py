@@ -9,12 +9,14 @@ import torch
 
 from trace.config import KGQAConfig, PolicyConfig
 from trace.envs.kgqa import KGQAEnvironment
-from trace.policy.backends import (Generation, GenerationBackend, HFBackend, continuation_logprobs,
-                                   mark_weights_updated, request_seeds, sample_tokens, weights_version)
+from trace.policy.backends import (Generation, GenerationBackend, continuation_logprobs, request_seeds,
+                                   sample_tokens)
 from trace.policy.format import ChatFormat, FormatKind
+from trace.policy.hf_backend import HFBackend
 from trace.policy.model import (Policy, build_tiny_policy, load_policy, load_pretrained_policy, resolve_model_path,
                                 save_policy)
 from trace.policy.tokenizer import build_word_tokenizer
+from trace.policy.weights import mark_weights_updated, weights_version
 from trace.rollout import trajectory_from_actions
 
 WORDS = ["question", ":", "of", "?", "search", "finish", "[", "]", ";", "Observation:", "e1", "e2", "e3", "r1", "r2"]

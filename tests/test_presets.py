@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from trace.config import load_config, read_params_file
+from trace.params_file import load_config, read_params_file
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
@@ -19,7 +19,7 @@ def test_presets_exist_for_each_task_family():
 def test_preset_loads_and_builds_its_environment_on_real_data(path):
     if not SHARED.is_dir():
         pytest.skip("../shared/data not present")
-    from trace.data import load_prompts
+    from trace.data.splits import load_prompts
     from trace.envs.registry import make_environment
 
     cfg = load_config(path)
@@ -43,9 +43,10 @@ def _require_smollm2_and_shared_data() -> None:
 @pytest.mark.slow
 def test_hotpotqa_preset_trains_a_step_with_smollm2_on_cpu(tmp_path):
     _require_smollm2_and_shared_data()
-    from trace.data import load_prompts
+    from trace.data.splits import load_prompts
     from trace.envs.registry import make_environment
-    from trace.loop import Trainer, evaluate_policy
+    from trace.evaluation import evaluate_policy
+    from trace.loop import Trainer
     from trace.policy.model import load_pretrained_policy
     from trace.predictor import make_predictor
 
@@ -107,18 +108,17 @@ def test_hotpotqa_preset_runs_every_dvc_stage_with_smollm2(tmp_path):
     """A shorter `dvc repro` of the HotpotQA preset: every stage, SmolLM2 saved and reloaded between them."""
     import json
     import os
-    import shutil
     import subprocess
     import sys
 
     import yaml
 
-    from tests.test_pipeline_e2e import _SKIP, _dvc, _env, _free_port
-    from trace.data import DEFAULT_FILES
+    from tests.test_pipeline_e2e import _dvc, _env, _free_port, copy_project
+    from trace.data_paths import DEFAULT_FILES
 
     _require_smollm2_and_shared_data()
     project = tmp_path / "trace"
-    shutil.copytree(ROOT, project, ignore=lambda d, names: [n for n in names if n in _SKIP or n.endswith(".db")])
+    copy_project(project)
     params = read_params_file(ROOT / "params" / "hotpotqa.yaml")
     params["task"]["files"].update(train_path=str((ROOT / DEFAULT_FILES["hotpotqa"]["train_path"]).resolve()),
                                    max_train=8, max_eval=4)

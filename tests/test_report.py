@@ -6,8 +6,9 @@ import json
 
 from mlflow.tracking import MlflowClient
 
-from flows.report import collect, mlflow_links, render_markdown
-from trace.config import load_config
+from flows.report import collect
+from trace.params_file import load_config
+from trace.report import mlflow_links, render_markdown
 from trace.tracking import SHARED_VIEW_TAG_PREFIX, arm_result_metrics, share_arms_view, stage_run, summary_metrics
 
 PARAMS = Path(__file__).resolve().parent / "params_tiny.yaml"

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 SCRIPT = r"""
 import sys, json
 from pathlib import Path
-from trace.config import load_config
+from trace.params_file import load_config
 from trace.envs.registry import make_environment
 from trace.loop import Trainer
 from trace.policy.model import build_tiny_policy

@@ -9,9 +9,11 @@ import torch
 from trace.config import KGQAConfig, PolicyConfig, RolloutConfig
 from trace.envs.base import EnvState, EpisodeFinishedError, Prompt, StepResult
 from trace.envs.kgqa import KGQAEnvironment
-from trace.policy.backends import HFBackend, continuation_logprobs
+from trace.policy.backends import continuation_logprobs
+from trace.policy.hf_backend import HFBackend
 from trace.policy.model import build_tiny_policy
-from trace.rollout import SamplingSpec, expand_prefixes, rollout_roots, trajectory_from_actions
+from trace.rollout import expand_prefixes, rollout_roots, trajectory_from_actions
+from trace.sampling import SamplingSpec
 from trace.tree import FinishReason, Origin, RewardError
 
 MARKER = "Observation:"

@@ -1,7 +1,7 @@
 """Sampling is seeded per trajectory: a trajectory's tokens do not depend on what else was sampled with it.
 
 Each turn of a trajectory draws from a random stream named by (sampling seed, tree id, the trajectory's key in
-its tree, turn index) (``trace.rollout.trajectory_seed``), so a prompt's trajectories come out the same when
+its tree, turn index) (``trace.sampling.trajectory_seed``), so a prompt's trajectories come out the same when
 the prompt is rolled out alone, among others, in another order, or in smaller chunks, although the batches
 of later turns differ (other trajectories end earlier or later). The same holds for the branches of an anchor.
 """
@@ -15,7 +15,8 @@ import pytest
 from trace.config import KGQAConfig, PolicyConfig
 from trace.envs.kgqa import KGQAEnvironment
 from trace.policy.model import build_tiny_policy
-from trace.rollout import SamplingSpec, expand_prefixes, rollout_roots, trajectory_seed
+from trace.rollout import expand_prefixes, rollout_roots
+from trace.sampling import SamplingSpec, trajectory_seed
 from trace.tree import FinishReason, Origin
 
 POLICY_CFG = PolicyConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,

@@ -2,14 +2,13 @@
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from trace.config import load_config
+from trace.params_file import load_config
 from trace.stages import (NON_RESULT_PARAMS, STAGE_PARAMS, deps_digest, dvc_stage_params, record_param_reads,
                           stage_deps, stage_params, uncovered)
 
@@ -116,11 +115,11 @@ import json, sys
 from flows.common import setup_process_env
 setup_process_env()
 import flows.prepare, flows.warmup, flows.seed_rollouts, flows.fit_predictor, flows.train, flows.evaluate, flows.report
-from trace.config import load_config
+from trace.params_file import load_config
 from trace.stages import record_param_reads
 
 params, out = sys.argv[1], sys.argv[2]
-ablations = [a.value for a in load_config(params).train.ablations]
+ablations = list(load_config(params).train.ablations)
 flows.train.train_steps = flows.train.train_steps.fn  # the task's body, without a Prefect run
 calls = [("prepare", flows.prepare.prepare_flow.fn, [()]), ("warmup", flows.warmup.warmup_flow.fn, [()]),
          ("seed_rollouts", flows.seed_rollouts.seed_rollouts_flow.fn, [()]),
@@ -153,7 +152,9 @@ def recorded_reads(tmp_path_factory):
     """Params each stage read while the real stage flows ran, in order, on the tiny params file."""
     tmp = tmp_path_factory.mktemp("reads")
     project = tmp / "trace"
-    shutil.copytree(ROOT, project, ignore=lambda d, names: [n for n in names if n in _SKIP or n.endswith(".db")])
+    from tests.test_pipeline_e2e import copy_project
+
+    copy_project(project, _SKIP)
     env = {k: v for k, v in os.environ.items()
            if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE", "DVC_ROOT")}
     env.update({"PYTHONPATH": str(project), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}"})

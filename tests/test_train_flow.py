@@ -4,7 +4,7 @@ from pathlib import Path
 
 from flows.common import REPO_ROOT, checkpoint_store
 from flows.train import checkpoint_dir, log_checkpointed_steps
-from trace.config import load_config
+from trace.params_file import load_config
 
 TINY = Path(__file__).resolve().parent / "params_tiny.yaml"
 

@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from trace.config import PolicyConfig, UpdateConfig
-from trace.policy.backends import HFBackend, weights_version
+from trace.policy.hf_backend import HFBackend
+from trace.policy.weights import weights_version
 from trace.policy.model import build_tiny_policy
 from trace.tree import Origin, RolloutTree, make_prompt_uid
 from trace.update import PolicyUpdater, init_distributed_env
@@ -125,7 +126,7 @@ def vllm_backend_over(source_model, workdir, weights_fn=None):
     backend.engines = [RecordingEngine()]
     backend.source_model, backend.weights_fn = source_model, weights_fn
     backend.workdir, backend._owns_workdir = workdir, False
-    backend._synced_version = vllm_backend.weights_version(source_model)  # as __init__ records it
+    backend._synced_version = weights_version(source_model)  # as __init__ records it
     backend._affinity = {}
     backend.stats = {"weight_refreshes": 0, "prefix_cache_resets": 0}
     return backend
@@ -159,7 +160,7 @@ def test_vllm_sync_pushes_exactly_when_the_updater_stepped(zero_stage, tmp_path)
 def test_vllm_refresh_of_a_zero3_policy_without_weights_fn_says_how_to_gather(tmp_path):
     updater, _ = make_updater(3, False)
     vllm = vllm_backend_over(updater.module, tmp_path)
-    from trace.policy.backends import mark_weights_updated
+    from trace.policy.weights import mark_weights_updated
 
     mark_weights_updated(updater.module)
     with pytest.raises(ValueError, match="weights_fn=updater.policy_state_dict"):

@@ -2,8 +2,8 @@
 
 Every field has a one-line doc; defaults are the paper's values where it gives them. Unknown keys and
 invalid values fail at load with the key, the value, the rule and how to fix it; a key written twice in a
-params file fails with both line numbers (``read_params_file``, the one reader of params YAML). Library functions take
-their own section (``cfg.allocation``), never the whole tree.
+params file fails with both line numbers (``trace.params_file.read_params_file``, the one reader of params
+YAML). Library functions take their own section (``cfg.allocation``), never the whole tree.
 """
 
 from __future__ import annotations
@@ -11,11 +11,14 @@ from __future__ import annotations
 import hashlib
 import json
 from enum import Enum
-from pathlib import Path
 from typing import Any, Literal, Optional
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from trace.allocation.arms import ARMS, get_arm, root_budget_for
+from trace.allocation.registry import get_root_rule
+from trace.allocation.root import check_root_budget_feasible
+from trace.tasks import enum_members
 
 
 class ConfigError(ValueError):
@@ -24,20 +27,6 @@ class ConfigError(ValueError):
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
-
-
-class Ablation(str, Enum):
-    """Named experiment arms compared at equal trajectories per step (DESIGN.md, Baselines and ablations)."""
-
-    GRPO = "grpo"  # uniform n per prompt, flat groups
-    DAPO = "dapo"  # oversample, drop all-equal groups (DAPO, arXiv 2503.14476)
-    KNAPSACK = "knapsack"  # root allocation only, never skips (Knapsack-RL)
-    PCL = "pcl"  # prompts with predicted p nearest 0.5, uniform n
-    TREE_RANDOM = "tree_random"  # random anchors, uniform (Tree-GRPO, arXiv 2509.21240)
-    TREEPO = "treepo"  # fixed branching width per depth (TreePO, arXiv 2508.17445)
-    TRACE_ROOT = "trace_root"  # TRACE stage 1 only
-    TRACE_PREFIX = "trace_prefix"  # uniform roots + TRACE stage 2
-    TRACE = "trace"  # both stages
 
 
 class Estimator(str, Enum):
@@ -55,21 +44,12 @@ class PredictorKind(str, Enum):
     POLICY_HEAD = "policy_head"  # small head on the policy's last hidden state
     ORACLE = "oracle"  # true probabilities from environments that know them
     NOISY_ORACLE = "noisy_oracle"  # oracle plus logit noise (benchmarks)
+    HISTORY_PATH = "history_path"  # prompt history + simulator observations along the prefix (benchmarks)
 
 
-class TaskName(str, Enum):
-    KGQA = "kgqa"  # synthetic knowledge-graph multi-hop QA (embedded default)
-    SIMULATOR = "simulator"  # latent-probability martingale simulator (benchmarks)
-    HOTPOTQA = "hotpotqa"
-    MUSIQUE = "musique"
-    TWOWIKI = "2wikimultihopqa"
-    BAMBOOGLE = "bamboogle"
-    NQ = "nq"
-    GSM8K = "gsm8k"
-    MATH = "math"
-    AIME_AMC = "aime_amc"
-    BFCL = "bfcl"
-    API_BANK = "api_bank"
+# one member per task of the registry (trace.tasks.TASKS), in its order: KGQA = "kgqa", ..., API_BANK = "api_bank"
+TaskName = Enum("TaskName", enum_members(), type=str, module=__name__, qualname="TaskName")
+TaskName.__doc__ = "Task names (``task.name``), one per ``trace.tasks.TASKS`` entry."
 
 
 class KGQAConfig(_Section):
@@ -263,12 +243,13 @@ class TrainConfig(_Section):
     steps_per_task: int = Field(10, ge=1, description="training steps per Prefect task (orchestration overhead)")
     eval_every: int = Field(20, ge=1, description="greedy accuracy on held-out prompts every N steps (and at the end)")
     eval_prompts: int = Field(100, ge=1, description="held-out prompts for the in-training evaluation")
-    ablations: tuple[Ablation, ...] = Field(tuple(Ablation), description="arms run by train@<ablation>")
+    ablations: tuple[str, ...] = Field(tuple(ARMS), description="arms run by train@<ablation> "
+                                       "(names of trace.allocation.arms.ARMS)")
 
     @field_validator("ablations", mode="before")
     @classmethod
     def _names(cls, v: Any) -> Any:
-        valid = [a.value for a in Ablation]
+        valid = list(ARMS)
         for name in v or []:
             if isinstance(name, str) and name not in valid:
                 raise ValueError(f"unknown ablation {name!r}; valid names: {valid}")
@@ -313,17 +294,14 @@ class Config(_Section):
     def _check_root_budgets(self) -> "Config":
         """Every arm in ``train.ablations`` that solves stage 1 can split its root budget (checked at load,
         not after warmup)."""
-        from trace.allocation.baselines import get_ablation, root_budget_for, stage1_floor
-        from trace.allocation.root import check_root_budget_feasible
-
         acfg = self.allocation
         for ablation in self.train.ablations:
-            spec = get_ablation(ablation)
-            if spec.root_rule not in ("trace", "knapsack"):
+            spec = get_arm(ablation)
+            floor_fn = get_root_rule(spec.root_rule).floor
+            if floor_fn is None:  # the rule does not solve stage 1
                 continue
             root_budget = root_budget_for(spec, acfg.trajectory_budget, acfg.expansion_ratio)
-            floor, floor_key, allow_skip = stage1_floor(spec.root_rule, acfg.num_candidates, root_budget,
-                                                        acfg.m_min, acfg.knapsack_m_min)
+            floor, floor_key, allow_skip = floor_fn(acfg.num_candidates, root_budget, acfg.m_min, acfg.knapsack_m_min)
             try:
                 check_root_budget_feasible(acfg.num_candidates, root_budget, floor, acfg.m_max,
                                            allow_skip=allow_skip, m_min_key=floor_key)
@@ -398,116 +376,3 @@ def config_from_dict(data: dict, source: str = "<dict>") -> Config:
     except ValidationError as err:
         raise ConfigError(_format_errors(err, source)) from None
 
-
-_YAML_MERGE_TAG = "tag:yaml.org,2002:merge"
-
-
-def _duplicate_key(node: yaml.Node, constructor: yaml.constructor.SafeConstructor,
-                   path: tuple[str, ...] = (), visited: set[int] | None = None) -> tuple[str, int, int] | None:
-    """The first mapping key given twice under ``node``: (dotted key, first line, second line), 1-based.
-
-    Keys are compared as the values YAML reads them as (``1`` and ``"1"`` differ, ``lr`` and ``"lr"`` do
-    not). Keys a ``<<`` merge brings in may be overridden; only keys written twice in one mapping count.
-    A node reached again through an alias is checked once.
-    """
-    visited = set() if visited is None else visited
-    if id(node) in visited:
-        return None
-    visited.add(id(node))
-    if isinstance(node, yaml.MappingNode):
-        first_line: dict = {}
-        for key_node, value_node in node.value:
-            if key_node.tag == _YAML_MERGE_TAG:
-                continue
-            try:
-                key = constructor.construct_object(key_node, deep=True)
-                hash(key)
-            except (yaml.YAMLError, TypeError):
-                key = (key_node.tag, str(getattr(key_node, "value", key_node)))
-            line = key_node.start_mark.line + 1
-            dotted = ".".join(path + (str(key),)).replace(".[", "[")
-            if key in first_line:
-                return dotted, first_line[key], line
-            first_line[key] = line
-            found = _duplicate_key(value_node, constructor, path + (str(key),), visited)
-            if found:
-                return found
-    elif isinstance(node, yaml.SequenceNode):
-        for idx, item in enumerate(node.value):
-            found = _duplicate_key(item, constructor, path + (f"[{idx}]",), visited)
-            if found:
-                return found
-    return None
-
-
-def parse_params_yaml(text: str, source: str = "<params>") -> Any:
-    """Parse params YAML strictly: like ``yaml.safe_load``, but a key repeated in one mapping is an error.
-
-    ``yaml.safe_load`` keeps the last of two equal keys, so a second ``update:`` section would silently
-    replace the first whole and its keys would fall back to their defaults.
-
-    Args:
-        text: the YAML document.
-        source: the file name, for messages.
-
-    Returns:
-        The parsed document (``None`` for an empty one).
-
-    Raises:
-        ConfigError: invalid YAML, or a repeated key (names the dotted key, both line numbers and ``source``).
-    """
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        if node is None:
-            return None
-        found = _duplicate_key(node, yaml.constructor.SafeConstructor())
-        if found:
-            key, first, second = found
-            raise ConfigError(f"params file {source}: key {key!r} is given twice (lines {first} and {second}); "
-                              "YAML would keep only the last and silently drop the first: merge them into one")
-        return yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"params file {source} is not valid YAML: {err}") from None
-
-
-def read_params_file(path: str | Path) -> dict:
-    """Read a params YAML file strictly (``parse_params_yaml``): every params file is read through here.
-
-    Args:
-        path: the YAML file.
-
-    Returns:
-        The top-level mapping (``{}`` for an empty file).
-
-    Raises:
-        ConfigError: the file is missing, is not valid YAML, repeats a key, or is not a mapping.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"params file {path} not found; pass --params PATH or create it (see params.yaml)")
-    data = parse_params_yaml(path.read_text(), str(path)) or {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"params file {path} must hold a mapping of sections, got {type(data).__name__}")
-    return data
-
-
-def load_config(path: str | Path = "params.yaml", overrides: dict | None = None) -> Config:
-    """Load and validate a params file.
-
-    Args:
-        path: YAML file.
-        overrides: dotted keys to set after loading, e.g. ``{"train.num_steps": 3}``.
-
-    Raises:
-        ConfigError: the file is missing, is not a YAML mapping, repeats a key, or holds an invalid / unknown
-            key.
-    """
-    path = Path(path)
-    data = read_params_file(path)
-    for key, value in (overrides or {}).items():
-        node = data
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return config_from_dict(data, str(path))

@@ -1,6 +1,6 @@
 """Rollout metrics: pure functions from a step's rollout trees to ``{"name": float}``.
 
-The contrast metrics keep the names DESIGN.md gives them, unnamespaced, so every ablation logs the same
+The contrast metrics keep the names of docs/method.md#metrics, unnamespaced, so every ablation logs the same
 keys: ``effective_ratio``, ``effective_token_ratio``, ``active_prompt_ratio``, ``mixed_group_ratio``. The
 rest are namespaced (``reward/mean``, ``turns/mean``, ``tokens/generated``, ``tools/calls``,
 ``rollout/trajectories``, ``rollout/prompts``, ``rollout/branches``, ``allocation/anchor_contrast``).
@@ -23,7 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
-from trace.advantages import TreeBatch
+from trace.advantages.batch import TreeBatch
 from trace.tree import RolloutTree
 
 __all__ = [

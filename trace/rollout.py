@@ -40,49 +40,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
-import hashlib
-
-from trace.config import RolloutConfig
 from trace.envs.base import EnvState, Environment, KnowsTrueSuccessProb, Prompt, prompts_by_uid, reward_range_of
+from trace.sampling import SamplingSpec, make_backend, trajectory_seed
 from trace.tree import FinishReason, Origin, RolloutTree, checked_reward
 
 _SALT_ROOTS, _SALT_BRANCHES = 0, 1
-
-
-@dataclass(frozen=True)
-class SamplingSpec:
-    """How turns are sampled.
-
-    Attributes:
-        temperature: softmax temperature (> 0 samples; 0 is greedy).
-        top_p: nucleus mass in (0, 1].
-        max_new_tokens: most generated tokens per turn; a turn that reaches it without stopping truncates
-            its trajectory (``MAX_TOKENS``).
-        seed: sampling seed; the same policy, prompts and seed give the same token ids.
-        batch_size: most sequences the backend decodes together.
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 48
-    seed: int = 0
-    batch_size: int = 256
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size={self.batch_size} must be >= 1")
-
-    @classmethod
-    def from_config(cls, rollout_cfg: RolloutConfig, seed: int) -> "SamplingSpec":
-        """The ``rollout`` config section plus a seed."""
-        return cls(temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p,
-                   max_new_tokens=rollout_cfg.max_new_tokens, seed=int(seed), batch_size=rollout_cfg.batch_size)
 
 
 @dataclass
@@ -97,43 +59,6 @@ class _Trajectory:
     origin: Origin
     anchor_id: int
     stream_key: tuple[int, ...]  # the trajectory's identity within its tree (``trajectory_seed``)
-
-
-def make_backend(policy: Any, sampling: SamplingSpec, *, reuse_prefix_cache: bool = True,
-                 rollout_cfg: RolloutConfig | None = None) -> Any:
-    """The generation backend for ``policy``: ``HFBackend`` with ``sampling.batch_size`` rows, or, when
-    ``rollout_cfg.backend == "vllm"``, the process-wide ``VLLMBackend`` of the policy (started on first use,
-    following the policy's weight updates; see ``trace.policy.vllm_backend``)."""
-    if rollout_cfg is not None and rollout_cfg.backend == "vllm":
-        from trace.policy.vllm_backend import VLLMEngineSettings, shared_vllm_backend
-
-        return shared_vllm_backend(policy, VLLMEngineSettings.from_rollout_config(rollout_cfg))
-    from trace.policy.backends import HFBackend
-
-    return HFBackend(policy.model, policy.tokenizer, max_batch_size=sampling.batch_size,
-                     reuse_prefix_cache=reuse_prefix_cache)
-
-
-def trajectory_seed(seed: int, tree_id: str, stream_key: Sequence[int], turn_idx: int) -> int:
-    """The sampling seed of one turn of one trajectory: a function of its identity only.
-
-    A trajectory is named by its tree and its key within the tree: ``(0, j)`` for the ``j``-th root rollout of
-    the prompt, ``(1, anchor_id, k)`` for the ``k``-th branch ever sampled from anchor ``anchor_id``. Its
-    tokens therefore do not depend on which other trajectories share the batch, on their order, on which of
-    them ended early, or on which rank sampled the tree (DESIGN.md: sampling is seeded per trajectory).
-
-    Args:
-        seed: the ``SamplingSpec`` seed (>= 0).
-        tree_id: the tree's ``tree_id`` (unique within a step).
-        stream_key: the trajectory's key within the tree (non-negative ints, see above).
-        turn_idx: the turn being sampled (>= 0).
-
-    Returns:
-        A seed in [0, 2**63): 63 bits of the BLAKE2b hash of the identity, stable across processes and
-        Python versions (unlike ``hash``).
-    """
-    identity = repr((int(seed), str(tree_id), tuple(int(k) for k in stream_key), int(turn_idx)))
-    return int.from_bytes(hashlib.blake2b(identity.encode("utf-8"), digest_size=8).digest(), "little") >> 1
 
 
 def _check_marker(policy: Any, env: Environment) -> None:

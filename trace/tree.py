@@ -297,7 +297,7 @@ class RolloutTree:
             (label, weight): (N,) float64; ``label = reward_sum / num_leaves`` (0 where no leaves).
 
         References:
-            DESIGN.md section 1, "The predictor": labels are the mean reward of descendant leaves,
+            docs/method.md#success-predictor: labels are the mean reward of descendant leaves,
             weighted by their count.
         """
         num_leaves, reward_sum = self.subtree_stats()

@@ -129,11 +129,50 @@ class Environment(Protocol):
         ...
 
 
+# Optional capabilities: an environment has one when it defines the method; test with ``isinstance``.
+
 @runtime_checkable
 class KnowsTrueSuccessProb(Protocol):
     """Environments that can report the true ``V(H) = P(r = 1 | H)`` of a state (the simulator)."""
 
     def true_success_prob(self, state: EnvState) -> float:
+        ...
+
+
+@runtime_checkable
+class GeneratesPrompts(Protocol):
+    """Environments that generate their own prompts (the embedded tasks: kgqa, simulator)."""
+
+    def prompts(self, split: str = "train") -> list[Prompt]:
+        """The prompts of ``split`` (``"train"`` or ``"eval"``), the same on every call."""
+        ...
+
+
+@runtime_checkable
+class HasVocabulary(Protocol):
+    """Environments whose every text is words of a closed vocabulary (a word-level tokenizer covers it)."""
+
+    def vocabulary(self) -> list[str]:
+        """Every word the policy reads or writes."""
+        ...
+
+
+@runtime_checkable
+class Demonstrates(Protocol):
+    """Environments that can write a correct episode's action texts for a prompt (warmup demonstrations)."""
+
+    def solve(self, prompt: Prompt) -> list[str]:
+        """Action texts that, stepped in order from ``reset(prompt)``, end the episode with a full reward."""
+        ...
+
+
+@runtime_checkable
+class ChecksPrompts(Protocol):
+    """Environments that can tell before any episode whether they can serve given prompts."""
+
+    def check_prompts(self, prompts: Sequence[Prompt]) -> None:
+        """Raise ``ValueError`` (``trace.data_paths.DataError`` for data problems) naming the first prompt
+        the environment cannot serve and the fix."""
         ...
 
 

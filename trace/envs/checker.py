@@ -30,7 +30,8 @@ from typing import Any, NoReturn, Sequence
 
 import numpy as np
 
-from trace.envs.base import Environment, EnvState, EpisodeFinishedError, Prompt, StepResult, reward_range_of
+from trace.envs.base import (Demonstrates, Environment, EnvState, EpisodeFinishedError, HasVocabulary, Prompt,
+                             StepResult, reward_range_of)
 
 LONG_ACTION_CHARS = 20_000
 
@@ -200,19 +201,17 @@ def _check_done_state_raises(env: Environment, state: EnvState) -> None:
 def _action_pool(env: Environment, prompt: Prompt) -> list[str]:
     """Candidate actions for random episodes: garbage, the solver's actions (if any), vocabulary noise."""
     pool = list(garbage_actions(env.observation_marker))
-    solve = getattr(env, "solve", None)
-    if callable(solve):
+    if isinstance(env, Demonstrates):
         try:
-            pool.extend(solve(prompt))
+            pool.extend(env.solve(prompt))
         except Exception as err:  # noqa: BLE001
             _fail(f"env.solve raised {type(err).__name__}: {err}", prompt=prompt)
     return pool
 
 
 def _random_action(env: Environment, pool: list[str], rng: np.random.Generator) -> str:
-    vocabulary = getattr(env, "vocabulary", None)
-    if callable(vocabulary) and rng.random() < 0.3:
-        words = list(vocabulary())
+    if isinstance(env, HasVocabulary) and rng.random() < 0.3:
+        words = list(env.vocabulary())
         if words:
             size = int(rng.integers(1, 7))
             return " ".join(words[int(i)] for i in rng.integers(0, len(words), size=size))

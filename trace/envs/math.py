@@ -43,11 +43,12 @@ from typing import Any, Sequence
 from trace.envs.answers import (ActionError, extract_boxed, is_empty_math_answer, math_answers_match, parse_action,
                                 parse_number)
 from trace.envs.base import EnvState, EpisodeFinishedError, Prompt, StepResult, continue_or_truncate
+from trace.tasks import MATH, task_names
 
 OBSERVATION_MARKER = "Observation:"
 CALCULATE, FINISH = "calculate", "finish"
 TOOLS = (CALCULATE, FINISH)
-MATH_TASKS = ("gsm8k", "math", "aime_amc")
+MATH_TASKS = task_names(MATH)
 
 INSTRUCTIONS = (
     "Solve the problem. Each turn, write \"Thought: ...\" and then one action:\n"

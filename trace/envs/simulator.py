@@ -63,7 +63,7 @@ def martingale_step(success_prob: np.ndarray, concentration: float, rng: np.rand
         (S,) float64 next ``V``, with mean ``V``; rows at exactly 0 or 1 (absorbed) stay there.
 
     References:
-        DESIGN.md section 5 (simulator); the mean of ``Beta(a, b)`` is ``a / (a + b)``, which makes ``V`` a
+        docs/method.md#simulator; the mean of ``Beta(a, b)`` is ``a / (a + b)``, which makes ``V`` a
         martingale (TRACE, arXiv 2606.11119, Proposition 1).
     """
     v = np.asarray(success_prob, dtype=np.float64)

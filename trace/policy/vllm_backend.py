@@ -26,7 +26,7 @@ semantics of every argument), with vLLM doing the batching, paging and KV reuse:
   depend on batch composition or on which data-parallel replica served the request. The random streams are
   vLLM's own, so sampled tokens differ from ``HFBackend``'s for the same seed (their distributions agree).
 - Weights follow the policy: with ``source_model`` set, every ``generate`` and ``clear_cache`` compares the
-  policy's announced weights version (``trace.policy.backends.weights_version``, moved by
+  policy's announced weights version (``trace.policy.weights.weights_version``, moved by
   ``mark_weights_updated``, which ``PolicyUpdater`` calls after every optimizer step) with that of the last
   push; when it moved, the weights are written to a safetensors file and every engine worker reloads them in
   place (``collective_rpc("reload_weights", weights_path=...)``), then the prefix cache is reset, so KV
@@ -45,215 +45,22 @@ vLLM is imported only when an engine is built, never at import of ``trace.*``. T
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import shutil
 import tempfile
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, replace
 from pathlib import Path
-from trace.policy.backends import Generation, request_seeds, weights_version
 from typing import Any
 
-VLLM_LOGPROBS_MODE = "processed_logprobs"  # logprobs of the sampling distribution (after temperature, top-p)
-WEIGHTS_FILE = "model.safetensors"
+from trace.policy.backends import Generation, request_seeds
+from trace.policy.vllm_engine import VLLMEngineSettings, _environment, replica_devices, vllm_available
+from trace.policy.vllm_requests import _rolling_hashes, completion_finish, route_requests, sampling_params
+from trace.policy.vllm_weights import _is_zero3_partitioned, save_weights_file
+from trace.policy.weights import weights_version
+
 _MAX_AFFINITY_ENTRIES = 1_000_000  # routing memory of served sequences (data parallel), cleared when full
-
-
-def vllm_available() -> bool:
-    """Whether the ``vllm`` package (CUDA wheel or the CPU build) is importable in this environment."""
-    return importlib.util.find_spec("vllm") is not None
-
-
-def _is_zero3_partitioned(model: Any) -> bool:
-    return any(hasattr(p, "ds_id") for p in model.parameters())
-
-
-@dataclass(frozen=True)
-class VLLMEngineSettings:
-    """How each vLLM engine replica is started.
-
-    Attributes:
-        tensor_parallel_size: GPUs per engine replica (vLLM tensor parallelism), >= 1.
-        data_parallel_size: independent engine replicas, >= 1; replica ``r`` gets GPUs
-            ``[r * tp, (r + 1) * tp)`` of the visible devices.
-        gpu_memory_utilization: share of each GPU's memory vLLM may take (weights + KV cache), in (0, 1];
-            leave room for the DeepSpeed policy when both share a GPU.
-        dtype: engine weights dtype (``"float32"``, ``"bfloat16"``, ...; vLLM's ``"auto"`` runs float32 checkpoints
-            in 16-bit, and ``from_policy`` replaces it by the policy's dtype).
-        max_model_len: longest sequence (prompt + generation) in tokens; ``None`` = the model's limit.
-        seed: engine seed (requests carry their own seeds; this only seeds unseeded requests).
-        enforce_eager: skip CUDA graph capture and ``torch.compile`` (faster start, slower decode).
-        block_size: KV block size in tokens (prefix caching shares whole blocks); ``None`` = vLLM's
-            default. The CPU attention backend needs a multiple of 32.
-        extra: further ``vllm.LLM`` keyword arguments, passed as given.
-    """
-
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.5
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    seed: int = 0
-    enforce_eager: bool = False
-    block_size: int | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} and data_parallel_size="
-                             f"{self.data_parallel_size} must both be >= 1")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
-
-    @classmethod
-    def from_rollout_config(cls, rollout_cfg: Any, **overrides: Any) -> VLLMEngineSettings:
-        """Settings from the ``rollout`` config section (``vllm_tensor_parallel_size``,
-        ``vllm_data_parallel_size``, ``vllm_gpu_memory_utilization``) plus explicit overrides.
-
-        Without CUDA (the CPU build) engines run eagerly: compiling the CPU graph costs minutes of start-up."""
-        import torch
-
-        values = dict(tensor_parallel_size=rollout_cfg.vllm_tensor_parallel_size,
-                      data_parallel_size=rollout_cfg.vllm_data_parallel_size,
-                      gpu_memory_utilization=rollout_cfg.vllm_gpu_memory_utilization,
-                      enforce_eager=not torch.cuda.is_available())
-        values.update(overrides)
-        return cls(**values)
-
-    def engine_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of ``vllm.LLM`` for one replica (prefix caching and processed logprobs on)."""
-        kwargs: dict[str, Any] = dict(
-            tensor_parallel_size=self.tensor_parallel_size, gpu_memory_utilization=self.gpu_memory_utilization,
-            dtype=self.dtype, seed=self.seed, enforce_eager=self.enforce_eager, enable_prefix_caching=True,
-            logprobs_mode=VLLM_LOGPROBS_MODE)
-        if self.max_model_len is not None:
-            kwargs["max_model_len"] = int(self.max_model_len)
-        if self.block_size is not None:
-            kwargs["block_size"] = int(self.block_size)
-        kwargs.update(self.extra)
-        return kwargs
-
-
-def replica_devices(data_parallel_size: int, tensor_parallel_size: int,
-                    visible: Sequence[str] | None = None) -> list[str | None]:
-    """``CUDA_VISIBLE_DEVICES`` value of each engine replica: consecutive slices of ``tensor_parallel_size``.
-
-    Args:
-        data_parallel_size: replicas R >= 1.
-        tensor_parallel_size: GPUs per replica >= 1.
-        visible: the visible device ids; ``None`` = ``$CUDA_VISIBLE_DEVICES`` or ``0 .. device_count - 1``.
-
-    Returns:
-        R entries; all ``None`` with one replica or without CUDA (engines inherit the environment).
-
-    Raises:
-        ValueError: fewer visible GPUs than ``data_parallel_size * tensor_parallel_size``.
-    """
-    if data_parallel_size == 1:
-        return [None]
-    if visible is None:
-        env = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if env is not None:
-            visible = [d.strip() for d in env.split(",") if d.strip()]
-        else:
-            import torch
-
-            visible = [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
-    if not visible:
-        return [None] * data_parallel_size
-    need = data_parallel_size * tensor_parallel_size
-    if len(visible) < need:
-        raise ValueError(f"rollout.vllm_data_parallel_size={data_parallel_size} x vllm_tensor_parallel_size="
-                         f"{tensor_parallel_size} needs {need} GPUs but {len(visible)} are visible ({visible}); "
-                         "lower the parallel sizes or expose more GPUs")
-    return [",".join(visible[r * tensor_parallel_size:(r + 1) * tensor_parallel_size])
-            for r in range(data_parallel_size)]
-
-
-@contextlib.contextmanager
-def _environment(**values: str | None) -> Iterator[None]:
-    """Temporarily set (or, for ``None``, leave) environment variables; engine processes inherit them."""
-    old = {k: os.environ.get(k) for k in values}
-    try:
-        for k, v in values.items():
-            if v is not None:
-                os.environ[k] = v
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def save_weights_file(state_dict: Mapping[str, Any], folder: str | os.PathLike) -> Path:
-    """Write a state dict as ``<folder>/model.safetensors`` atomically (temporary file, then rename).
-
-    Tensors are copied to contiguous CPU tensors first, so tied weights (which share storage) are written as
-    separate entries; vLLM's loaders skip the ones the model ties.
-
-    Returns:
-        The folder.
-    """
-    from safetensors.torch import save_file
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".{WEIGHTS_FILE}.tmp"
-    save_file({name: t.detach().to("cpu").clone().contiguous() for name, t in state_dict.items()}, str(tmp))
-    os.replace(tmp, folder / WEIGHTS_FILE)
-    return folder
-
-
-def _rolling_hashes(tokens: Sequence[int]) -> list[int]:
-    """Hash of every prefix ``tokens[:n]`` for n = 1 .. len(tokens)."""
-    out, h = [], 0
-    for t in tokens:
-        h = hash((h, int(t)))
-        out.append(h)
-    return out
-
-
-def route_requests(prefixes: Sequence[Sequence[int]], live: Sequence[int], num_replicas: int,
-                   affinity: Mapping[int, int]) -> list[int]:
-    """Data-parallel replica of each live request.
-
-    In request order: a prefix identical to an earlier one of the call goes where that one went; else the
-    replica recorded for its longest prefix in ``affinity`` (the replica that served that sequence, so its KV
-    blocks are there); else the replica with the fewest prompt tokens assigned so far in this call (ties: the
-    lowest index).
-
-    Args:
-        prefixes: all prefixes of the call (token-id lists).
-        live: indices into ``prefixes`` of the requests to route.
-        num_replicas: R >= 1.
-        affinity: rolling hash of a served sequence (``_rolling_hashes(seq)[-1]``) -> replica index.
-
-    Returns:
-        One replica index in ``[0, R)`` per entry of ``live``.
-    """
-    if num_replicas == 1:
-        return [0] * len(live)
-    load = [0] * num_replicas
-    by_prefix: dict[tuple[int, ...], int] = {}
-    out: list[int] = []
-    for idx in live:
-        key = tuple(int(t) for t in prefixes[idx])
-        replica = by_prefix.get(key)
-        if replica is None:
-            for h in reversed(_rolling_hashes(key)):
-                if h in affinity:
-                    replica = affinity[h]
-                    break
-        if replica is None:
-            replica = min(range(num_replicas), key=lambda r: (load[r], r))
-        by_prefix[key] = replica
-        load[replica] += len(key)
-        out.append(replica)
-    return out
 
 
 class VLLMBackend:
@@ -451,43 +258,10 @@ class VLLMBackend:
         self.close()
 
     # ---- generation ---------------------------------------------------------------------------------------
-    def _sampling_params(self, budget: int, temperature: float, top_p: float, stop_token_ids: list[int],
-                         stop_strings: list[str], seed: int | None) -> Any:
-        from vllm import SamplingParams
-
-        return SamplingParams(
-            n=1, temperature=float(temperature), top_p=float(top_p), max_tokens=int(budget), seed=seed,
-            stop_token_ids=stop_token_ids or None, stop=stop_strings or None, include_stop_str_in_output=True,
-            skip_special_tokens=False, detokenize=bool(stop_strings), logprobs=0)
-
     def _finish(self, token_ids: list[int], stop_ids: frozenset[int], stop_reason: Any, budget: int,
                 finish_reason: str | None = None) -> str:
-        """``Generation.finish`` of one vLLM completion, with ``HFBackend``'s precedence.
-
-        ``"eos"`` ends the episode in the rollout engine, so it is returned only for an EOS: the last token
-        is one of ``eos_token_ids``, or vLLM stopped on a token of its own (an EOS id of the model's
-        generation config) that is neither a requested stop token nor a stop string. A completion cut at
-        the engine's length limit (``max_tokens`` or ``max_model_len``) is ``"length"``.
-
-        Args:
-            token_ids: the generated ids.
-            stop_ids: the call's ``stop_token_ids``.
-            stop_reason: vLLM's ``CompletionOutput.stop_reason`` (``None``, a token id or the stop string).
-            budget: the request's ``max_new_tokens``.
-            finish_reason: vLLM's ``CompletionOutput.finish_reason`` (``"stop"``, ``"length"``, ...).
-
-        Returns:
-            ``"eos"``, ``"stop"`` or ``"length"``.
-        """
-        if token_ids and token_ids[-1] in self.eos_token_ids:
-            return "eos"
-        if token_ids and token_ids[-1] in stop_ids:
-            return "stop"
-        if isinstance(stop_reason, str):
-            return "stop"
-        if len(token_ids) >= budget or finish_reason == "length":
-            return "length"
-        return "eos"  # vLLM stopped on an EOS id of the model's generation config outside eos_token_ids
+        """``Generation.finish`` of one vLLM completion: ``completion_finish`` with this backend's EOS ids."""
+        return completion_finish(token_ids, self.eos_token_ids, stop_ids, stop_reason, budget, finish_reason)
 
     def generate(
         self,
@@ -540,8 +314,8 @@ class VLLMBackend:
             if not members:
                 return []
             prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in prefixes[idx]]) for idx in members]
-            params = [self._sampling_params(budgets[idx], temperature, top_p, stop_list, strings,
-                                            seeds[idx] if temperature > 0 else None)
+            params = [sampling_params(budgets[idx], temperature, top_p, stop_list, strings,
+                                       seeds[idx] if temperature > 0 else None)
                       for idx in members]
             return self.engines[replica].generate(prompts, params, use_tqdm=False)
 

@@ -1,13 +1,5 @@
 """Policy update: rollout trees -> one training batch -> DeepSpeed optimizer steps.
 
-Batch construction (``build_training_batch``) keeps one invariant: every generated token of every node is
-trained exactly once. Each leaf gives one sequence (root -> leaf token ids, right-padded); a node's
-generated tokens carry ``loss_mask`` 1 and the node's advantage only in the first sequence that contains
-the node (bookkeeping by ``(tree_id, node_id)``), and are plain context elsewhere. The node's advantage is
-the sum of the advantages of the leaf trajectories through it, so for the first PPO pass (ratio 1) the
-gradient equals that of flat leaf-row training where every row carries its leaf's advantage; without
-branching (each node on one leaf path) the two batches are identical.
-
 The update (``PolicyUpdater``) runs under DeepSpeed on CPU or GPU with ZeRO stage 0-3. The number of
 sequences per step varies with the rollout budget and tree shapes, so gradient accumulation is owned by
 this module: DeepSpeed is configured with ``gradient_accumulation_steps = 1`` and
@@ -24,11 +16,8 @@ from __future__ import annotations
 
 import copy
 import functools
-import math
 import os
-import socket
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -36,323 +25,14 @@ import torch
 
 from trace.config import UpdateConfig
 from trace.losses import clipped_surrogate_loss, kl_penalty_loss, sft_loss, token_logprobs
-from trace.policy.backends import mark_weights_updated, weights_version
-from trace.tree import Node, RolloutTree
+from trace.policy.weights import mark_weights_updated, weights_version
+from trace.tree import RolloutTree
+from trace.update.batch import TrainingBatch, build_training_batch
+from trace.update.deepspeed_setup import _world_size, deepspeed_config, init_distributed_env
 
 REFERENCE_POLICY_FILE = "reference_policy.pt"  # frozen KL reference, saved beside DeepSpeed's checkpoint
 _CLIENT_STATE_KEY = "trace_policy_updater"
 
-
-# ---------------------------------------------------------------------------------------------------------
-# Training batch
-# ---------------------------------------------------------------------------------------------------------
-@dataclass
-class TrainingBatch:
-    """Right-padded sequences built from rollout trees, one per leaf.
-
-    Attributes:
-        input_ids: (B, T) long token ids; positions ``>= lengths[b]`` hold the pad id.
-        attention_mask: (B, T) long, 1 on the first ``lengths[b]`` positions, from the lengths (never
-            from comparing with the pad id, which may equal EOS).
-        position_ids: (B, T) long, ``0 .. lengths[b] - 1`` then 0 on padding.
-        loss_mask: (B, T) float32, 1 on generated tokens trained in this row.
-        advantages: (B, T) float32, the node's advantage on its ``loss_mask`` tokens, 0 elsewhere.
-        old_logprobs: (B, T) float32 sampling-time log-probs (nats), 0 on tokens not generated.
-        lengths: (B,) long, real tokens per row.
-        row_tokens: (B,) long, generated tokens in each leaf row, whether trained in that row or in an
-            earlier one (a shared node counts in every row through it, as flat leaf-row training counts
-            it). Their sum is ``num_tokens``, the token-mean normaliser.
-        sequence_ids: ``(tree_id, leaf node_id)`` of each row.
-        num_truncated: rows cut to ``max_tokens``.
-    """
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    position_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    advantages: torch.Tensor
-    old_logprobs: torch.Tensor
-    lengths: torch.Tensor
-    row_tokens: torch.Tensor
-    sequence_ids: list[tuple[str, int]] = field(default_factory=list)
-    num_truncated: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        """The token-mean normaliser: generated tokens summed over the leaf rows (``row_tokens.sum()``);
-        without branching it equals ``num_trained_tokens``."""
-        return int(self.row_tokens.sum().item())
-
-    @property
-    def num_trained_tokens(self) -> int:
-        """Tokens with ``loss_mask`` 1: every generated token of the batch once."""
-        return int(self.loss_mask.sum().item())
-
-    @property
-    def num_sequences(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    def select(self, rows: slice) -> "TrainingBatch":
-        """Rows ``rows`` of the batch, with trailing all-padding columns dropped."""
-        lengths = self.lengths[rows]
-        width = int(lengths.max()) if lengths.numel() else 0
-
-        def cut(tensor: torch.Tensor) -> torch.Tensor:
-            return tensor[rows, :width]
-
-        loss_mask = cut(self.loss_mask)
-        return TrainingBatch(
-            input_ids=cut(self.input_ids), attention_mask=cut(self.attention_mask),
-            position_ids=cut(self.position_ids), loss_mask=loss_mask, advantages=cut(self.advantages),
-            old_logprobs=cut(self.old_logprobs), lengths=lengths, row_tokens=self.row_tokens[rows],
-            sequence_ids=self.sequence_ids[rows], num_truncated=0)
-
-    def micro_batches(self, micro_batch_size: int) -> list["TrainingBatch"]:
-        """Consecutive slices of ``micro_batch_size`` rows (the last may be shorter), each trimmed.
-
-        Raises:
-            ValueError: if ``micro_batch_size < 1``.
-        """
-        if micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1")
-        return [self.select(slice(i, i + micro_batch_size)) for i in range(0, self.num_sequences, micro_batch_size)]
-
-    def to(self, device: torch.device | str) -> "TrainingBatch":
-        """The batch with every tensor moved to ``device``."""
-        moved = {name: getattr(self, name).to(device) for name in
-                 ("input_ids", "attention_mask", "position_ids", "loss_mask", "advantages", "old_logprobs", "lengths")}
-        return TrainingBatch(**moved, row_tokens=self.row_tokens, sequence_ids=self.sequence_ids,
-                             num_truncated=self.num_truncated)
-
-
-def _check_node(tree: RolloutTree, node: Node) -> None:
-    n = len(node.token_ids)
-    if len(node.logprobs) != n or len(node.loss_mask) != n:
-        raise ValueError(
-            f"tree {tree.tree_id!r} node {node.node_id}: token_ids has {n} entries, logprobs "
-            f"{len(node.logprobs)}, loss_mask {len(node.loss_mask)}; they need one entry per token")
-    if any(m not in (0, 1) for m in node.loss_mask):
-        raise ValueError(f"tree {tree.tree_id!r} node {node.node_id}: loss_mask must hold only 0/1, got "
-                         f"{sorted(set(node.loss_mask))}")
-    for idx, logprob in enumerate(node.logprobs):
-        if not math.isfinite(logprob):
-            kind = "generated" if node.loss_mask[idx] else "context (prompt or observation)"
-            raise ValueError(
-                f"tree {tree.tree_id!r} node {node.node_id}: logprobs[{idx}] = {logprob} on a {kind} token is "
-                "not finite; generated tokens need their sampling log-probability and every other token 0.0 "
-                "(fix the rollout's or the stored tree's logprobs)")
-    if node.is_root and any(node.loss_mask):
-        raise ValueError(f"tree {tree.tree_id!r}: the root (prompt) node has loss_mask 1 on "
-                         f"{sum(node.loss_mask)} tokens; prompt tokens are never trained, set them to 0")
-
-
-def _node_advantage(tree: RolloutTree, node: Node, require_advantages: bool) -> float:
-    if node.advantage is None:
-        if require_advantages:
-            raise ValueError(
-                f"tree {tree.tree_id!r} node {node.node_id} has {node.num_generated_tokens} generated tokens "
-                "but advantage None; assign advantages (trace.advantages) before the policy update")
-        return 0.0
-    advantage = float(node.advantage)
-    if not math.isfinite(advantage):
-        raise ValueError(f"tree {tree.tree_id!r} node {node.node_id}: advantage {advantage} is not finite")
-    return advantage
-
-
-def build_training_batch(
-    trees: Sequence[RolloutTree],
-    pad_token_id: int,
-    max_tokens: int | None = None,
-    *,
-    require_advantages: bool = True,
-) -> TrainingBatch:
-    """One right-padded sequence per leaf; each node's generated tokens are trained exactly once.
-
-    Rows follow the order of ``trees`` and, within a tree, ``RolloutTree.leaves()``. A node's generated
-    tokens get ``loss_mask`` 1 and advantage ``node.advantage`` in the first row that contains the node
-    (tracked by ``(tree_id, node_id)``); in later rows they are context with mask 0. The token-mean
-    normaliser ``num_tokens`` counts a shared node's tokens once per leaf row through it, so the loss
-    equals flat leaf-row training (every leaf row trained with its own advantage, token-mean over all
-    rows) at ratio 1, normaliser included.
-
-    Args:
-        trees: rollout trees with distinct ``tree_id``; nodes carry ``token_ids``, ``logprobs``,
-            ``loss_mask`` and (when ``require_advantages``) ``advantage`` = the sum of the advantages of
-            the leaf trajectories through the node.
-        pad_token_id: id written at padding positions (it may equal EOS: masks come from lengths).
-        max_tokens: rows longer than this keep their first ``max_tokens`` tokens; ``None`` keeps all.
-            A node cut in its training row is cut at the same position in every row (shared prefix).
-        require_advantages: if False (SFT), a missing advantage counts as 0 instead of raising.
-
-    Returns:
-        ``TrainingBatch``; with no leaves, tensors of shape (0, 0) and ``num_tokens = 0``.
-
-    Raises:
-        ValueError: on duplicate ``tree_id``, an empty tree, a node whose token_ids / logprobs / loss_mask
-            lengths differ, a non-finite logprob on any token (trained or context), loss_mask 1 on the root,
-            a missing or non-finite advantage on a node with generated tokens, a generated token at position
-            0 (no context to predict it from), or ``max_tokens < 2``.
-
-    References:
-        Shared-prefix training with summed leaf advantages: DESIGN.md, "Tree-aware advantages and the
-        update"; tree rollouts as in Tree-GRPO (Ji et al. 2025, arXiv 2509.21240).
-    """
-    if max_tokens is not None and max_tokens < 2:
-        raise ValueError(f"max_tokens={max_tokens} must be >= 2 (a prompt token and a generated token) or None")
-    seen_tree_ids: set[str] = set()
-    trained_nodes: set[tuple[str, int]] = set()
-    rows: list[tuple[list[int], list[float], list[int], list[float]]] = []
-    row_tokens: list[int] = []
-    sequence_ids: list[tuple[str, int]] = []
-    num_truncated = 0
-    for tree in trees:
-        if tree.tree_id in seen_tree_ids:
-            raise ValueError(f"tree_id {tree.tree_id!r} appears twice in the batch; tree ids must be unique "
-                             "(they key which nodes were already trained)")
-        seen_tree_ids.add(tree.tree_id)
-        if not tree.nodes:
-            raise ValueError(f"tree {tree.tree_id!r} has no nodes (not even a root)")
-        for node in tree.nodes:
-            _check_node(tree, node)
-        for leaf, path in tree.iter_leaf_paths():
-            ids: list[int] = []
-            logprobs: list[float] = []
-            mask: list[int] = []
-            generated: list[int] = []
-            advantages: list[float] = []
-            for node in path:
-                key = (tree.tree_id, node.node_id)
-                n = len(node.token_ids)
-                ids.extend(int(t) for t in node.token_ids)
-                logprobs.extend(float(lp) for lp in node.logprobs)
-                generated.extend(int(m) for m in node.loss_mask)
-                if key not in trained_nodes and node.num_generated_tokens > 0:
-                    advantage = _node_advantage(tree, node, require_advantages)
-                    mask.extend(int(m) for m in node.loss_mask)
-                    advantages.extend(advantage if m else 0.0 for m in node.loss_mask)
-                else:
-                    mask.extend([0] * n)
-                    advantages.extend([0.0] * n)
-                trained_nodes.add(key)
-            if mask and mask[0]:
-                raise ValueError(f"tree {tree.tree_id!r} leaf {leaf.node_id}: the first token of the sequence is "
-                                 "generated, so nothing predicts it; the root must hold the prompt tokens")
-            if max_tokens is not None and len(ids) > max_tokens:
-                num_truncated += 1
-                ids, logprobs, mask, advantages = (x[:max_tokens] for x in (ids, logprobs, mask, advantages))
-                generated = generated[:max_tokens]
-            rows.append((ids, logprobs, mask, advantages))
-            row_tokens.append(sum(generated))
-            sequence_ids.append((tree.tree_id, leaf.node_id))
-
-    num_seqs = len(rows)
-    width = max((len(r[0]) for r in rows), default=0)
-    input_ids = torch.full((num_seqs, width), int(pad_token_id), dtype=torch.long)  # (B, T)
-    loss_mask = torch.zeros(num_seqs, width, dtype=torch.float32)
-    advantages_t = torch.zeros(num_seqs, width, dtype=torch.float32)
-    old_logprobs = torch.zeros(num_seqs, width, dtype=torch.float32)
-    lengths = torch.tensor([len(r[0]) for r in rows], dtype=torch.long)  # (B,)
-    for b, (ids, logprobs, mask, advantages) in enumerate(rows):
-        n = len(ids)
-        input_ids[b, :n] = torch.tensor(ids, dtype=torch.long)
-        loss_mask[b, :n] = torch.tensor(mask, dtype=torch.float32)
-        advantages_t[b, :n] = torch.tensor(advantages, dtype=torch.float32)
-        old_logprobs[b, :n] = torch.tensor(logprobs, dtype=torch.float32)
-    positions = torch.arange(width, dtype=torch.long).expand(num_seqs, width)
-    attention_mask = (positions < lengths.unsqueeze(1)).long()
-    return TrainingBatch(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=positions * attention_mask,
-        loss_mask=loss_mask, advantages=advantages_t, old_logprobs=old_logprobs, lengths=lengths,
-        row_tokens=torch.tensor(row_tokens, dtype=torch.long), sequence_ids=sequence_ids,
-        num_truncated=num_truncated)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# DeepSpeed set-up
-# ---------------------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def init_distributed_env() -> dict[str, str]:
-    """Fill in the single-process distributed environment DeepSpeed expects, where a launcher did not.
-
-    Sets ``RANK=0``, ``LOCAL_RANK=0``, ``WORLD_SIZE=1``, ``MASTER_ADDR=127.0.0.1`` and a free
-    ``MASTER_PORT`` (found by binding port 0) when unset, and ``DS_ACCELERATOR=cpu`` when unset and CUDA is
-    not available. Without them ``deepspeed.initialize`` looks for MPI and fails on ``mpi4py``. Call before
-    DeepSpeed is first imported (its accelerator is chosen at import). Variables already set (e.g. by the
-    ``deepspeed`` launcher) are left alone.
-
-    Returns:
-        The variables this call set, name -> value.
-    """
-    defaults = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
-    if "MASTER_PORT" not in os.environ:
-        defaults["MASTER_PORT"] = str(_free_port())
-    if not torch.cuda.is_available():
-        defaults["DS_ACCELERATOR"] = "cpu"
-    newly_set = {}
-    for name, value in defaults.items():
-        if name not in os.environ:
-            os.environ[name] = value
-            newly_set[name] = value
-    return newly_set
-
-
-def deepspeed_config(update_cfg: UpdateConfig, micro_batch_size: int | None = None,
-                     world_size: int | None = None) -> dict[str, Any]:
-    """DeepSpeed config dict for ``PolicyUpdater``.
-
-    ``gradient_accumulation_steps`` is 1 and ``managed_gradient_accumulation`` false: the caller runs any
-    number of micro-batches per step and ``engine.step()`` is the accumulation boundary, so a variable
-    number of sequences per step is consistent with ``train_batch_size = micro_batch_size * world_size``.
-
-    Args:
-        update_cfg: the ``update`` section (ZeRO stage, bf16, optimizer offload, gradient clipping).
-        micro_batch_size: sequences per forward/backward; ``None`` = ``update_cfg.micro_batch_size``.
-        world_size: data-parallel ranks; ``None`` = ``$WORLD_SIZE`` (default 1).
-
-    Returns:
-        A JSON-serialisable dict for ``deepspeed.initialize(config=...)``.
-
-    Raises:
-        ValueError: if ``offload_optimizer`` is set with ZeRO stage 0 (offload needs stage >= 1).
-    """
-    micro_batch_size = update_cfg.micro_batch_size if micro_batch_size is None else int(micro_batch_size)
-    world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else int(world_size)
-    zero: dict[str, Any] = {"stage": update_cfg.zero_stage}
-    if update_cfg.offload_optimizer:
-        if update_cfg.zero_stage == 0:
-            raise ValueError("update.offload_optimizer=true needs update.zero_stage >= 1 (ZeRO offload); "
-                             "raise zero_stage or turn offload off")
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-    return {
-        "train_micro_batch_size_per_gpu": micro_batch_size,
-        "gradient_accumulation_steps": 1,
-        "train_batch_size": micro_batch_size * world_size,
-        "managed_gradient_accumulation": False,
-        "gradient_clipping": update_cfg.max_grad_norm,
-        "zero_optimization": zero,
-        "bf16": {"enabled": update_cfg.bf16},
-        # torch.optim.AdamW is passed in: no DeepSpeed Adam JIT build, also under ZeRO offload
-        "zero_allow_untested_optimizer": True,
-        "zero_force_ds_cpu_optimizer": False,
-        "steps_per_print": 2**31 - 1,
-        "wall_clock_breakdown": False,
-    }
-
-
-def _world_size() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_world_size()
-    return 1
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The updater
-# ---------------------------------------------------------------------------------------------------------
 # (micro-batch, flat token-mean normaliser, trained-token count) -> (loss, metrics); both counts are global
 LossFn = Callable[[TrainingBatch, int, int], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -373,7 +53,7 @@ class PolicyUpdater:
     After a step the module is left in eval mode, ready for generation.
 
     After every optimizer step and every ``load_checkpoint`` the updater announces the new weights
-    (``trace.policy.backends.mark_weights_updated`` on ``self.module``, the policy module it was given), so
+    (``trace.policy.weights.mark_weights_updated`` on ``self.module``, the policy module it was given), so
     every generation backend serving that module drops or refreshes its cache before the next generation.
     DeepSpeed's ZeRO-1/2/3 and bf16 steps write the weights through ``.data`` without touching the tensors'
     version counters, so a backend could not tell from the tensors.
@@ -427,7 +107,7 @@ class PolicyUpdater:
 
     @property
     def weights_version(self) -> int:
-        """Announced weight updates of the policy module (``trace.policy.backends.weights_version``): moves
+        """Announced weight updates of the policy module (``trace.policy.weights.weights_version``): moves
         after every optimizer step and checkpoint load."""
         return weights_version(self.engine.module)
 
@@ -692,44 +372,3 @@ class PolicyUpdater:
         self.engine.eval()
         mark_weights_updated(self.engine.module)
         return str(path)
-
-
-def convert_to_universal_checkpoint(checkpoint_dir: str | Path, tag: str, universal_tag: str | None = None) -> str:
-    """Convert the ZeRO checkpoint ``<checkpoint_dir>/<tag>`` into a DeepSpeed universal checkpoint.
-
-    Runs ``python -m deepspeed.checkpoint.ds_to_universal`` (one process, CPU only): every parameter's fp32
-    weights and Adam moments are gathered from the per-rank shards into one file per parameter, which any
-    number of ranks and any ZeRO stage can load (``PolicyUpdater.load_checkpoint(..., universal=True)``).
-    It also writes ``<checkpoint_dir>/latest_universal``.
-
-    Args:
-        checkpoint_dir: the folder given to ``PolicyUpdater.save_checkpoint``.
-        tag: the checkpoint to convert (a ZeRO stage 1-3 checkpoint written by ``save_checkpoint``).
-        universal_tag: name of the converted tag; ``None`` = ``f"{tag}_universal"``.
-
-    Returns:
-        The universal tag.
-
-    Raises:
-        FileNotFoundError: ``<checkpoint_dir>/<tag>`` does not exist.
-        RuntimeError: the converter failed (its output is included), e.g. on a ZeRO stage 0 checkpoint,
-            which holds the whole optimizer state and loads into any number of ranks as it is.
-    """
-    import subprocess
-    import sys
-
-    checkpoint_dir = Path(checkpoint_dir)
-    universal_tag = universal_tag or f"{tag}_universal"
-    if not (checkpoint_dir / tag).is_dir():
-        raise FileNotFoundError(f"no checkpoint {checkpoint_dir / tag}; pass the folder and tag given to "
-                                "save_checkpoint")
-    proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-                           "--input_folder", str(checkpoint_dir / tag),
-                           "--output_folder", str(checkpoint_dir / universal_tag)],
-                          check=False, capture_output=True, text=True,
-                          env={**os.environ, "DS_ACCELERATOR": os.environ.get(
-                              "DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")})
-    if proc.returncode != 0:
-        raise RuntimeError(f"ds_to_universal failed on {checkpoint_dir / tag} (exit {proc.returncode}):\n"
-                           f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    return universal_tag

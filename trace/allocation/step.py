@@ -1,0 +1,189 @@
+"""One allocation step of any arm over a sampler: roots, stage-2 expansion, and the step's diagnostics.
+
+``allocate_step`` is the part of a training step that decides and samples the step's trajectories: score
+the candidates (arms that read the predictor), the arm's root rule (``plan_root_counts``), the bare root
+rollouts, stage 2 in ``rounds`` rounds (score the candidate anchors where the prefix rule needs them,
+``plan_expansion``, continuations), and extra root rollouts for continuations no tree could take. The
+sampler (``StepSampler``) is the only part that differs between the policy's rollout engine
+(``trace.allocation.samplers.PolicySampler``) and the simulator (``SimulatorSampler``).
+
+Invariant: every arm samples exactly ``allocation.trajectory_budget`` trajectories, except ``dapo``, which
+samples at most that many. Random streams are named by purpose (``rng_for("expand0")``) and sampler
+salts (``"roots"``, ``"dapo<k>"``, ``"branch<r>"``, ``"extra_roots"``), so a step's draws depend only on the
+caller's seeding, never on another arm's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+from trace.allocation.arms import plan_root_counts
+from trace.allocation.dapo import NoMixedGroupError
+from trace.allocation.prefix import candidate_anchors, split_expansion_budget
+from trace.allocation.prefix_rules import plan_expansion
+from trace.allocation.registry import Arm, get_prefix_rule
+from trace.tree import RolloutTree
+
+__all__ = ["StepSampler", "StepResult", "allocate_step"]
+
+
+@runtime_checkable
+class StepSampler(Protocol):
+    """What a step needs from whatever produces trajectories and scores them."""
+
+    def score_prompts(self, prompts: Sequence) -> np.ndarray:
+        """(B,) float64 predicted success probability of each candidate prompt."""
+
+    def score_anchors(self, trees: Sequence[RolloutTree], node_ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """One (K_i,) array of predicted success probabilities per tree, for the given node ids."""
+
+    def sample_roots(self, prompts: Sequence, counts: Sequence[int], salt: str) -> list[RolloutTree]:
+        """One tree per prompt, in prompt order, with ``counts[i]`` bare rollouts (counts > 0)."""
+
+    def sample_continuations(self, trees: Sequence[RolloutTree], counts: Mapping[tuple[int, int], int],
+                             salt: str) -> None:
+        """Append ``K`` continuations below each ``(tree_idx, node_id)`` anchor, in place."""
+
+
+@dataclass
+class StepResult:
+    """What one allocation step sampled.
+
+    Attributes:
+        trees: the trees to train on (for ``dapo`` only the kept groups).
+        sampled_trees: every tree sampled this step (the same list as ``trees`` unless the root rule filters).
+        metrics: allocation diagnostics in logging order: ``allocation/root_gap``, ``allocation/root_objective``,
+            ``allocation/root_upper_bound`` (stage-1 solvers), the root rule's own (``dapo/rounds``,
+            ``dapo/no_mixed_group``, ``dapo/kept_groups``), ``allocation/extra_root_rollouts``.
+        timings: seconds, ``time/predict``, ``time/rollout`` and (when continuations were sampled)
+            ``time/expand``.
+        is_filtered: the root rule kept only some of the trees it sampled (``dapo``).
+    """
+
+    trees: list[RolloutTree]
+    sampled_trees: list[RolloutTree]
+    metrics: dict[str, float] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    is_filtered: bool = False
+
+
+def _expand(arm: Arm, trees: list[RolloutTree], counts: np.ndarray, expansion_budget: int, sampler: StepSampler,
+            rng_for: Callable[[str], np.random.Generator], rounds: int, treepo_width: int,
+            timings: dict) -> int:
+    """Stage 2 over ``rounds`` rounds; returns continuations that could not be placed."""
+    if not arm.has_expansion or expansion_budget <= 0 or not trees:
+        return expansion_budget
+    needs_scores = get_prefix_rule(arm.prefix_rule).needs_scores
+    per_round = split_expansion_budget(np.array([1] * rounds), expansion_budget)
+    new_from: dict[int, list[int]] | None = None
+    unspent = 0
+    for rnd in range(rounds):
+        budgets = split_expansion_budget(counts, int(per_round[rnd]) + unspent)
+        anchor_probs = None
+        if needs_scores:
+            t0 = time.perf_counter()
+            anchor_probs = {}
+            ids = [[node_id for node_id, _ in candidate_anchors(tree, None if new_from is None
+                                                                 else new_from.get(t_idx, []))]
+                   for t_idx, tree in enumerate(trees)]
+            for t_idx, (tree, node_ids, preds) in enumerate(zip(trees, ids, sampler.score_anchors(trees, ids))):
+                for node_id, v in zip(node_ids, preds):
+                    anchor_probs[(t_idx, node_id)] = float(v)
+                    tree.nodes[node_id].pred_success_prob = float(v)
+            timings["time/predict"] = timings.get("time/predict", 0.0) + time.perf_counter() - t0
+        plan = plan_expansion(arm, trees, anchor_probs, budgets, rng_for(f"expand{rnd}"), treepo_width,
+                              new_only_from=new_from)
+        sizes = [len(t.nodes) for t in trees]
+        if plan.counts:
+            t0 = time.perf_counter()
+            sampler.sample_continuations(trees, plan.counts, f"branch{rnd}")
+            timings["time/expand"] = timings.get("time/expand", 0.0) + time.perf_counter() - t0
+        new_from = {i: list(range(sizes[i], len(t.nodes))) for i, t in enumerate(trees)}
+        unspent = plan.unspent
+    return unspent
+
+
+def allocate_step(arm: Arm, candidates: Sequence, sampler: StepSampler, acfg,
+                  rng_for: Callable[[str], np.random.Generator]) -> StepResult:
+    """Allocate and sample one step's trajectories for ``arm`` over ``candidates``.
+
+    Args:
+        arm: the arm (``trace.allocation.arms.get_arm``).
+        candidates: the step's B candidate prompts (``trace.envs.base.Prompt``), in drawing order.
+        sampler: rollouts and predictor scores (``StepSampler``).
+        acfg: the allocation section (``trace.config.AllocationConfig``): ``trajectory_budget``,
+            ``expansion_ratio``, ``group_size``, ``m_min``, ``m_max``, ``knapsack_m_min``, ``exact_max_cells``,
+            ``dapo_max_retries``, ``rounds``, ``treepo_width``.
+        rng_for: ``rng_for(purpose) -> numpy Generator`` of the step (purposes ``"dapo"``, ``"expand<r>"``).
+
+    Returns:
+        ``StepResult``. Roots carry ``num_branches`` (their allocated rollouts) and, for arms that read the
+        predictor, ``pred_success_prob``; scored anchors carry ``pred_success_prob``.
+
+    Raises:
+        ValueError: an infeasible budget or a malformed plan (see ``plan_root_counts``, ``plan_expansion``).
+        Whatever the sampler raises propagates, except ``NoMixedGroupError``: the step then trains on nothing
+        and logs ``dapo/no_mixed_group``.
+    """
+    metrics: dict[str, float] = {}
+    timings: dict[str, float] = {}
+    tie_keys = [p.prompt_uid for p in candidates]
+
+    t0 = time.perf_counter()
+    pred = (np.asarray(sampler.score_prompts(candidates), dtype=np.float64) if arm.uses_predictor
+            else np.full(len(candidates), np.nan))
+    timings["time/predict"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    rule_sampled: list[RolloutTree] = []
+
+    def sample_groups(cand_idx: np.ndarray, n: int, salt: str) -> list[RolloutTree]:
+        trees = sampler.sample_roots([candidates[i] for i in cand_idx], [n] * len(cand_idx), salt)
+        rule_sampled.extend(trees)
+        return trees
+
+    try:
+        plan = plan_root_counts(arm, pred, trajectory_budget=acfg.trajectory_budget,
+                                expansion_ratio=acfg.expansion_ratio, group_size=acfg.group_size,
+                                m_min=acfg.m_min, m_max=acfg.m_max, knapsack_m_min=acfg.knapsack_m_min,
+                                tie_keys=tie_keys, exact_max_cells=acfg.exact_max_cells,
+                                max_retries=acfg.dapo_max_retries, rng_for=rng_for, sample_groups=sample_groups)
+    except NoMixedGroupError as err:
+        # every sampled group agreed within the retry bound: nothing to learn from this step. Any other error
+        # of the rollouts (retriever, backend, out of memory) is not an outcome and stops the run.
+        metrics.update(err.metrics)
+        timings["time/rollout"] = time.perf_counter() - t0
+        return StepResult(trees=[], sampled_trees=rule_sampled, metrics=metrics, timings=timings, is_filtered=True)
+    for key in ("gap", "objective", "upper_bound"):
+        if key in plan.info:
+            metrics[f"allocation/root_{key}"] = float(plan.info[key])
+    metrics.update(plan.metrics)
+    if plan.trees is not None:  # the root rule sampled its own groups
+        trees, sampled_trees = list(plan.trees), list(plan.sampled_trees)
+        counts = np.array([t.num_trajectories() for t in trees], dtype=np.int64)
+    else:
+        counts = plan.counts
+        active = np.flatnonzero(counts)
+        trees = sampler.sample_roots([candidates[i] for i in active], counts[active], "roots")
+        for tree, i in zip(trees, active):
+            if arm.uses_predictor:
+                tree.root.pred_success_prob = float(pred[i])
+            tree.root.num_branches = int(counts[i])
+        counts = counts[active]
+        sampled_trees = trees
+    timings["time/rollout"] = time.perf_counter() - t0
+
+    unspent = _expand(arm, trees, counts, plan.expansion_budget, sampler, rng_for, acfg.rounds, acfg.treepo_width,
+                      timings)
+    if unspent > 0 and trees:
+        # no trajectory had a non-terminal prefix (every rollout ended in one turn): keep the step at T
+        # trajectories with extra bare rollouts from the roots, spread like the root allocation
+        extra = split_expansion_budget(counts, unspent)
+        sampler.sample_continuations(trees, {(i, 0): int(k) for i, k in enumerate(extra) if k > 0}, "extra_roots")
+        metrics["allocation/extra_root_rollouts"] = float(unspent)
+    return StepResult(trees=trees, sampled_trees=sampled_trees, metrics=metrics, timings=timings,
+                      is_filtered=plan.trees is not None)

@@ -1,0 +1,92 @@
+"""Training checkpoints of one arm: DeepSpeed state, predictor state and the train state file.
+
+A checkpoint after ``n`` steps is the tag ``step{n:06d}``: the updater's DeepSpeed folder of that tag, the
+predictor file ``predictor.pt.<tag>`` and the train state JSON (``train_state.json``: next step, tag, params
+hash, arm, cumulative counters, per-step metrics history). The state file is written last and atomically,
+so it only ever names a tag whose files are complete; older tags are removed after it is written. A
+checkpoint of other params (``Config.resume_hash``) or another arm is never loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from trace.tree_io import atomic_write_bytes
+
+CHECKPOINT_DIR = "checkpoint"
+STATE_FILE = "train_state.json"
+PREDICTOR_FILE = "predictor.pt"
+
+
+def state_path(run_dir: str | Path) -> Path:
+    """The train state file of the arm's folder ``run_dir``: ``<run_dir>/checkpoint/train_state.json``."""
+    return Path(run_dir) / CHECKPOINT_DIR / STATE_FILE
+
+
+def write_checkpoint(run_dir: str | Path, step_done: int, *, updater: Any, predictor: Any, params_hash: str,
+                     ablation: str, cumulative_tokens: float, cumulative_trajectories: float,
+                     history: list[dict]) -> None:
+    """Checkpoint after ``step_done`` steps: DeepSpeed state, predictor, counters (atomic state file last).
+
+    Args:
+        run_dir: the arm's folder; the checkpoint goes to ``<run_dir>/checkpoint``.
+        step_done: steps finished (the next step to run), >= 0.
+        updater: the ``trace.update.PolicyUpdater`` (``save_checkpoint(folder, tag=...)``).
+        predictor: the ``trace.predictor.SuccessPredictor`` (``save(path)``).
+        params_hash: ``Config.resume_hash()`` of the run.
+        ablation: the arm's name.
+        cumulative_tokens: generated tokens over all steps run.
+        cumulative_trajectories: trajectories over all steps run.
+        history: one metrics dict per step run (``{"step": s, ...}``).
+    """
+    ckpt = Path(run_dir) / CHECKPOINT_DIR
+    tag = f"step{step_done:06d}"
+    updater.save_checkpoint(ckpt, tag=tag)
+    predictor.save(ckpt / f"{PREDICTOR_FILE}.{tag}")
+    state = {"next_step": step_done, "tag": tag, "params_hash": params_hash,
+             "ablation": ablation, "cumulative_tokens": cumulative_tokens,
+             "cumulative_trajectories": cumulative_trajectories, "history": history}
+    atomic_write_bytes(state_path(run_dir), json.dumps(state, indent=1).encode())
+    for old in ckpt.glob("step*"):  # keep the newest DeepSpeed tag only
+        if old.is_dir() and old.name != tag:
+            shutil.rmtree(old, ignore_errors=True)
+    for old in ckpt.glob(f"{PREDICTOR_FILE}.step*"):
+        if old.name != f"{PREDICTOR_FILE}.{tag}":
+            old.unlink(missing_ok=True)
+
+
+def load_checkpoint(run_dir: str | Path, *, updater: Any, predictor: Any, params_hash: str,
+                    ablation: str) -> dict | None:
+    """Load the last checkpoint of ``run_dir`` into ``updater`` and ``predictor`` if it belongs to these params.
+
+    A checkpoint of other params or another arm is discarded: the whole ``run_dir`` is removed (its trees
+    belong to that run too).
+
+    Args:
+        run_dir: the arm's folder.
+        updater: the ``trace.update.PolicyUpdater`` (``load_checkpoint(folder, tag=...)``).
+        predictor: the ``trace.predictor.SuccessPredictor`` (``load_state_dict``).
+        params_hash: ``Config.resume_hash()`` of the run.
+        ablation: the arm's name.
+
+    Returns:
+        The train state (``next_step``, ``tag``, ``cumulative_tokens``, ``cumulative_trajectories``,
+        ``history``, ...) of the loaded checkpoint, or ``None`` when there was none to load.
+    """
+    import torch
+
+    path = state_path(run_dir)
+    if not path.is_file():
+        return None
+    state = json.loads(path.read_text())
+    if state.get("params_hash") != params_hash or state.get("ablation") != ablation:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return None
+    ckpt = Path(run_dir) / CHECKPOINT_DIR
+    updater.load_checkpoint(ckpt, tag=state["tag"])
+    predictor.load_state_dict(torch.load(ckpt / f"{PREDICTOR_FILE}.{state['tag']}", map_location="cpu",
+                                         weights_only=False))
+    return state

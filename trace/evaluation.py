@@ -1,0 +1,102 @@
+"""Evaluation of a policy on prompts: greedy accuracy, pass@k / mean@k, and the warmup's sampled success.
+
+Every measure here rolls the policy out with ``trace.rollout.rollout_roots`` at ``step=-1`` and reads the
+leaves' verifier rewards; the metric keys live in one namespace (``accuracy/*`` by default).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from trace.config import RolloutConfig
+from trace.envs.base import Environment, Prompt
+from trace.rollout import rollout_roots
+from trace.sampling import make_rollout_backend, sampling_spec
+from trace.tree import RolloutTree
+
+# ``fn(metrics, step)``: where a stage sends its metrics (MLflow in the flows)
+MetricsFn = Callable[[Mapping[str, float], int], None]
+
+
+def root_texts(env: Environment, prompts: Sequence[Prompt]) -> list[str]:
+    """The user message of each prompt's root, ``env.reset(prompt)[1]`` (what prompt-level predictors read).
+
+    Args:
+        env: the task environment.
+        prompts: P prompts.
+
+    Returns:
+        P strings, in the order of ``prompts``.
+    """
+    return [env.reset(p)[1] for p in prompts]
+
+
+def evaluate_policy(policy, env: Environment, prompts: Sequence[Prompt], rollout_cfg: RolloutConfig, *,
+                    seed: int, max_context_tokens: int, pass_k: int = 0, temperature: float = 1.0,
+                    backend=None, prefix: str = "accuracy") -> tuple[dict[str, float], list[RolloutTree]]:
+    """Greedy accuracy, and pass@k / mean@k of ``pass_k`` sampled rollouts per prompt (``pass_k=0``: greedy only).
+
+    Args:
+        policy: ``trace.policy.model.Policy``.
+        env: the task environment.
+        prompts: P held-out prompts with distinct ``prompt_uid``.
+        rollout_cfg: the ``rollout`` section (top-p, token limits, backend).
+        seed: sampling seed of the greedy pass; the sampled pass uses ``seed + 1``.
+        max_context_tokens: ``policy.max_context_tokens``.
+        pass_k: sampled rollouts per prompt (0: none).
+        temperature: temperature of the sampled rollouts.
+        backend: a ``GenerationBackend`` to reuse; ``None`` builds the one ``rollout.backend`` names.
+        prefix: namespace of the metric keys.
+
+    Returns:
+        ``({"<prefix>/greedy", "<prefix>/pass@k", "<prefix>/mean@k", "<prefix>/truncated",
+        "<prefix>/greedy_hops<h>" per hop count when prompts carry ``meta["num_hops"]``}, trees)``: the
+        P greedy trees, then the P sampled trees when ``pass_k >= 1``.
+
+    Raises:
+        ValueError: duplicate prompt uids or a prompt that fills the context (``rollout_roots``).
+    """
+    backend = make_rollout_backend(policy, rollout_cfg, backend)
+    greedy = rollout_roots(policy, env, prompts, [1] * len(prompts), sampling_spec(rollout_cfg, seed, 0.0),
+                           step=-1, ablation="eval", backend=backend, max_context_tokens=max_context_tokens)
+    rewards = np.array([t.leaf_rewards()[0] for t in greedy])
+    truncated = np.array([t.leaves()[0].finish_reason.is_truncated for t in greedy])
+    metrics = {f"{prefix}/greedy": float(rewards.mean()), f"{prefix}/truncated": float(truncated.mean())}
+    hops = [p.meta.get("num_hops") for p in prompts]
+    for h in sorted({h for h in hops if h is not None}):
+        sel = np.array([x == h for x in hops])
+        metrics[f"{prefix}/greedy_hops{h}"] = float(rewards[sel].mean())
+    trees = list(greedy)
+    if pass_k >= 1:
+        sampled = rollout_roots(policy, env, prompts, [pass_k] * len(prompts),
+                                sampling_spec(rollout_cfg, seed + 1, temperature), step=-1, ablation="eval",
+                                backend=backend, max_context_tokens=max_context_tokens)
+        per_prompt = np.array([t.leaf_rewards() for t in sampled])  # (P, k)
+        metrics[f"{prefix}/pass@{pass_k}"] = float((per_prompt.max(axis=1) > 0).mean())
+        metrics[f"{prefix}/mean@{pass_k}"] = float(per_prompt.mean())
+        trees.extend(sampled)
+    return metrics, trees
+
+
+def sampled_success(policy, env: Environment, prompts: Sequence[Prompt], rollout_cfg: RolloutConfig, *,
+                    seed: int, max_context_tokens: int, backend=None) -> float:
+    """Mean reward of one sampled rollout per prompt (the warmup's success measure).
+
+    Args:
+        policy: ``trace.policy.model.Policy``.
+        env: the task environment.
+        prompts: P prompts with distinct ``prompt_uid``.
+        rollout_cfg: the ``rollout`` section.
+        seed: the sampling seed.
+        max_context_tokens: ``policy.max_context_tokens``.
+        backend: a ``GenerationBackend`` to reuse, or ``None``.
+
+    Returns:
+        The mean leaf reward over the P rollouts.
+    """
+    trees = rollout_roots(policy, env, prompts, [1] * len(prompts), sampling_spec(rollout_cfg, seed),
+                          step=-1, ablation="warmup", backend=make_rollout_backend(policy, rollout_cfg, backend),
+                          max_context_tokens=max_context_tokens)
+    return float(np.mean([t.leaf_rewards()[0] for t in trees]))
