@@ -17,6 +17,7 @@ from flows.common import stage_main, METRICS, WARMUP_MODEL, build_environment, o
 @flow(name="warmup", log_prints=False)
 def warmup_flow(params: str) -> dict:
     from trace.params_file import load_config
+    from trace.envs.base import Demonstrates
     from trace.evaluation import evaluate_policy
     from trace.policy.build import build_policy
     from trace.policy.model import save_policy
@@ -28,7 +29,7 @@ def warmup_flow(params: str) -> dict:
     policy = build_policy(cfg.policy, env, cfg.seed, cfg.task.name.value)
     with open_run(cfg, "warmup", stage_params(cfg, "warmup")) as run:
         summary: dict = {"warmup/num_parameters": policy.num_parameters}
-        if cfg.warmup.enabled and hasattr(env, "solve"):
+        if cfg.warmup.enabled and isinstance(env, Demonstrates):
             result = run_warmup(policy, env, train, cfg, log_metrics=lambda m, s: run.log_metrics(m, s))
             summary.update({"warmup/chosen_step": result.chosen_step, "warmup/chosen_success": result.chosen_success})
             run.set_tags({"warmup.reason": result.reason})

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from trace.config import PolicyConfig
+from trace.envs.base import HasVocabulary
 from trace.policy.model import Policy, build_tiny_policy, load_pretrained_policy
 
 
@@ -30,7 +31,7 @@ def build_policy(policy_cfg: PolicyConfig, env: Any, seed: int, task_name: str) 
         ValueError: ``policy.kind=tiny`` for a task without a closed vocabulary.
     """
     if policy_cfg.kind == "tiny":
-        if not hasattr(env, "vocabulary"):
+        if not isinstance(env, HasVocabulary):
             raise ValueError(f"policy.kind=tiny needs a task with a closed vocabulary; task {task_name} "
                              "has none: use policy.kind=pretrained")
         return build_tiny_policy(policy_cfg, env.vocabulary(), seed)
