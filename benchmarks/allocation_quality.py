@@ -34,17 +34,28 @@ per seed. Reported per arm and predictor, as mean and sample std over seeds of t
 mixed groups (prompt groups and branch-anchor groups), ``anchor_contrast`` (the loop's metric: the sum of
 ``V(1 - V)`` over allocated roots and anchors), ``prefix_anchor_contrast`` (stage-2 anchors only) and
 ``contrast_per_continuation`` (``sum K V(1 - V) / sum K`` over stage-2 anchors), generated tokens and
-trajectories. Ratios against ``grpo`` and against ``oracle`` are formed per seed, then summarised.
+trajectories, and the allocation audit of the loop (``trace.audit``: ``audit/expected_mixed_groups`` against
+``audit/mixed_groups``, ``audit/expected_flips`` against ``audit/flips``; NaN forecasts for arms without
+predictions). Ratios against ``grpo`` and against ``oracle`` are formed per seed, then summarised.
 
 Simplifications: one expansion round (the paper default); the pool is ``pool_prompts`` prompts of the
 default difficulty mix (U-shaped ``Beta(0.3, 0.3)``), so candidates recur every ``pool / B`` steps and the
 history-based predictors see each prompt again.
 
 Usage: ``python -m benchmarks.allocation_quality [--quick]``.
+
+Stage-1 objectives (``python -m benchmarks.allocation_quality --compare-objectives [--quick] [--seeds S]
+[--steps N]``, written as ``allocation_objectives.json``/``.png``): ``trace`` and ``trace_root`` under
+``allocation.root_objective`` ``groups`` and ``leaves`` at ``m_min`` 4 and 8 (the rest of the default
+budget), with ``grpo`` beside them; per arm the mean over seeds of the per-seed mean effective ratio with a
+95 % t-interval over seeds, and the paired difference leaves - groups (same seed = a pair) with its interval.
 """
 
 from __future__ import annotations
 
+import argparse
+import math
+import sys
 import time
 from collections import deque
 from typing import Any, Sequence
@@ -57,6 +68,7 @@ from trace.allocation.prefix import split_expansion_budget
 from trace.allocation.prefix_rules import plan_expansion
 from trace.allocation.samplers import SimulatorSampler
 from trace.allocation.step import allocate_step
+from trace.audit import AUDIT_METRIC_KEYS, audit_metrics
 from trace.config import AllocationConfig, PredictorConfig, PredictorKind, SimulatorConfig
 from trace.envs.base import Prompt
 from trace.envs.simulator import SimulatorEnvironment
@@ -172,6 +184,7 @@ def simulated_step(spec: Arm, env: SimulatorEnvironment, pool: Sequence[Prompt],
     metrics.update({"mixed_groups": float(num_prompt + num_anchor), "mixed_prompt_groups": float(num_prompt),
                     "mixed_anchor_groups": float(num_anchor)})
     metrics.update(contrast_metrics(trees))
+    metrics.update(audit_metrics(result))
     return trees, metrics
 
 
@@ -242,7 +255,7 @@ def run_arm(arm: str, setting: str, env: SimulatorEnvironment, pool: Sequence[Pr
 METRIC_KEYS = ("effective_ratio", "effective_token_ratio", "mixed_group_ratio", "active_prompt_ratio", "mixed_groups",
                "mixed_prompt_groups", "mixed_anchor_groups", "anchor_contrast", "prefix_anchor_contrast",
                "contrast_per_continuation", "root_contrast_per_rollout", "tokens/generated", "rollout/trajectories",
-               "rollout/prompts", "rollout/branches")
+               "rollout/prompts", "rollout/branches") + AUDIT_METRIC_KEYS
 
 
 def per_seed_means(steps: list[dict]) -> dict[str, float]:
@@ -358,5 +371,126 @@ def main(argv: Sequence[str] | None = None) -> dict:
     return results
 
 
+# ================================================================================================
+# Stage-1 objectives compared
+# ================================================================================================
+OBJECTIVE_ARMS = ("trace", "trace_root")
+
+
+def t_interval(values: Sequence[float], level: float = 0.95) -> dict[str, float]:
+    """Mean and two-sided t-interval over seeds: ``mean +- t_{(1+level)/2, n-1} s / sqrt(n)``.
+
+    Returns:
+        ``{"mean", "low", "high", "half_width", "n"}``; with one value the half width is NaN (no interval).
+    """
+    from scipy.stats import t as student_t
+
+    stat = mean_std(values)
+    n = stat["n"]
+    half = (float(student_t.ppf(0.5 + level / 2, n - 1)) * stat["std"] / math.sqrt(n)) if n > 1 else float("nan")
+    return {"mean": stat["mean"], "low": stat["mean"] - half, "high": stat["mean"] + half, "half_width": half, "n": n}
+
+
+def objective_comparison(seeds: Sequence[int], num_steps: int, pool_prompts: int, m_mins: Sequence[int],
+                         predictor_settings: Sequence[str], window_steps: int) -> dict:
+    """Effective ratio of ``trace`` and ``trace_root`` under both stage-1 objectives, per ``m_min`` and predictor.
+
+    Every cell runs ``run_arm`` on the same seeds, pools, warm starts and candidates; only
+    ``allocation.m_min`` and ``allocation.root_objective`` change. ``grpo`` (which reads neither) is the
+    reference.
+
+    Returns:
+        ``{"m_min=<k>": {setting: {arm: {objective: {"effective_ratio": t_interval, ...}}, "grpo": ...}}}``
+        plus, per arm, ``"leaves_minus_groups"``: the paired per-seed difference of effective ratios.
+    """
+    sim_cfg = SimulatorConfig(num_prompts=pool_prompts)
+    keys = ("effective_ratio", "effective_token_ratio", "active_prompt_ratio", "mixed_groups")
+    cells: dict[tuple, list[dict]] = {}
+    for seed in seeds:
+        env = SimulatorEnvironment(sim_cfg, seed=seed)
+        pool = env.prompts("train")
+        warm = seed_trees(env, pool, seed)
+        grpo_steps, _ = run_arm("grpo", "none", env, pool, warm, AllocationConfig(), seed=seed, num_steps=num_steps,
+                                window_steps=window_steps, score_predictor=False)
+        cells.setdefault(("grpo",), []).append(per_seed_means(grpo_steps))
+        for m_min in m_mins:
+            for objective in ("groups", "leaves"):
+                acfg = AllocationConfig(m_min=m_min, root_objective=objective)
+                for setting in predictor_settings:
+                    for arm in OBJECTIVE_ARMS:
+                        steps, _ = run_arm(arm, setting, env, pool, warm, acfg, seed=seed, num_steps=num_steps,
+                                           window_steps=window_steps, score_predictor=False)
+                        cells.setdefault((m_min, setting, arm, objective), []).append(per_seed_means(steps))
+    grpo = {k: t_interval([m[k] for m in cells[("grpo",)]]) for k in keys}
+    out: dict[str, dict] = {"grpo": grpo}
+    for m_min in m_mins:
+        for setting in predictor_settings:
+            row = out.setdefault(f"m_min={m_min}", {}).setdefault(setting, {})
+            for arm in OBJECTIVE_ARMS:
+                by_objective = {obj: cells[(m_min, setting, arm, obj)] for obj in ("groups", "leaves")}
+                row[arm] = {obj: {k: t_interval([m[k] for m in seed_means]) for k in keys}
+                            for obj, seed_means in by_objective.items()}
+                row[arm]["leaves_minus_groups"] = t_interval(
+                    [b["effective_ratio"] - a["effective_ratio"]
+                     for a, b in zip(by_objective["groups"], by_objective["leaves"])])
+    return out
+
+
+def plot_objectives(results: dict, m_mins: Sequence[int], settings_order: Sequence[str], path) -> None:
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(m_mins), figsize=(6 * len(m_mins), 3.6), squeeze=False)
+    for ax, m_min in zip(axes[0], m_mins):
+        labels, x = [], 0
+        for setting in settings_order:
+            for arm in OBJECTIVE_ARMS:
+                for offset, (objective, color) in enumerate((("groups", "C0"), ("leaves", "C1"))):
+                    stat = results[f"m_min={m_min}"][setting][arm][objective]["effective_ratio"]
+                    err = 0.0 if not math.isfinite(stat["half_width"]) else stat["half_width"]
+                    ax.bar(x + 0.4 * offset, stat["mean"], width=0.4, yerr=err, capsize=2, color=color,
+                           label=objective if x == 0 else None)
+                labels.append(f"{arm}\n{setting}")
+                x += 1
+        ax.axhline(results["grpo"]["effective_ratio"]["mean"], color="grey", linestyle=":", label="grpo")
+        ax.set_xticks([i + 0.2 for i in range(x)])
+        ax.set_xticklabels(labels, fontsize=7)
+        ax.set(title=f"m_min = {m_min}", ylabel="effective ratio (mean, 95% t-interval over seeds)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def compare_objectives(argv: Sequence[str] | None = None) -> dict:
+    """``--compare-objectives``: the stage-1 objective comparison; returns the results (also written)."""
+    from benchmarks.common import REPORT_DIR
+
+    parser = argparse.ArgumentParser(description="Stage-1 objectives groups vs leaves on the simulator")
+    parser.add_argument("--quick", action="store_true", help="2 seeds, 2 steps, 64 prompts, oracle only")
+    parser.add_argument("--out", default=str(REPORT_DIR), help="folder for the JSON and PNG")
+    parser.add_argument("--seeds", type=int, default=None, help="seeds 0..S-1 (default 5; quick 2)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per seed (default 8; quick 2)")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    name = "allocation_objectives"
+    seeds = list(range(args.seeds or (2 if args.quick else 5)))
+    num_steps = args.steps or (2 if args.quick else 8)
+    pool_prompts = 64 if args.quick else 256
+    predictor_settings = ["oracle"] if args.quick else ["oracle", "learned"]
+    m_mins = (4, 8)
+    window_steps = PredictorConfig().window_steps
+    results = objective_comparison(seeds, num_steps, pool_prompts, m_mins, predictor_settings, window_steps)
+    results["headline"] = {"targets": {}, "effective_ratio_leaves_minus_groups": {
+        f"{arm}/{setting}/m_min={m}": results[f"m_min={m}"][setting][arm]["leaves_minus_groups"]
+        for m in m_mins for setting in predictor_settings for arm in OBJECTIVE_ARMS}}
+    settings = {"allocation": AllocationConfig().model_dump(mode="json"), "m_min": list(m_mins), "seeds": seeds,
+                "steps_per_seed": num_steps, "pool_prompts": pool_prompts, "predictors": predictor_settings}
+    plot_objectives(results, m_mins, predictor_settings, figure_path(name, args.out))
+    write_report(name, args.out, settings, results, quick=args.quick, started=started)
+    return results
+
+
 if __name__ == "__main__":
-    main()
+    if "--compare-objectives" in sys.argv[1:]:
+        compare_objectives([a for a in sys.argv[1:] if a != "--compare-objectives"])
+    else:
+        main()

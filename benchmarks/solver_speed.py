@@ -14,7 +14,9 @@ are listed with the reason. The grid runs with the default bounds ``m_min = 2, m
 prompt at 16) and says nothing about the solver.
 
 Small cases are checked against brute force (every vector in ``{0, m_min..m_max}^B``): the DP must match
-the optimum, the Lagrangian's dual bound must lie above it.
+the optimum, the Lagrangian's dual bound must lie above it. The check runs for both stage-1 objectives
+(``allocation.root_objective``: ``root_brute_force`` for ``groups``, ``root_brute_force_leaves`` for
+``leaves`` on its own random stream, so the ``groups`` results are those of a run without it).
 
 Stage 2 (``trace.allocation.prefix.allocate_prefixes``): ``A in {10^3, 10^4, 10^5}`` anchors with
 ``v ~ U(0, 1)`` and factual rewards ``r ~ Bernoulli(v)``, budgets ``A / 4`` and ``A`` continuations; the
@@ -38,7 +40,8 @@ import numpy as np
 
 from benchmarks.common import figure_path, parse_args, pyplot, timed, write_report
 from trace.allocation.prefix import allocate_prefixes, prefix_marginal_gain, prefix_value
-from trace.allocation.root import activation_prob, allocate_roots
+from trace.allocation.objectives import objective_table
+from trace.allocation.root import allocate_roots
 
 NAME = "solver_speed"
 DIFFICULTY = (0.3, 0.3)  # SimulatorConfig default difficulty_alpha, difficulty_beta
@@ -70,14 +73,16 @@ def root_feasibility(num_candidates: int, root_budget: int, m_min: int, m_max: i
             else f"no k <= {num_candidates} with {m_min}k <= {root_budget} <= {m_max}k")
 
 
-def brute_force_roots(p: np.ndarray, root_budget: int, m_min: int, m_max: int) -> float | None:
-    """Optimum of ``sum_i A(p_i, m_i)`` over every ``m in {0, m_min..m_max}^B`` summing to ``M`` (None if none)."""
+def brute_force_roots(p: np.ndarray, root_budget: int, m_min: int, m_max: int,
+                      root_objective: str = "groups") -> float | None:
+    """Optimum of ``sum_i A(p_i, m_i)`` (``groups``) or ``sum_i m_i A(p_i, m_i)`` (``leaves``) over every
+    ``m in {0, m_min..m_max}^B`` summing to ``M`` (None if none)."""
     choices = np.array([0] + list(range(m_min, m_max + 1)))
     grid = np.array(list(itertools.product(choices, repeat=p.size)))  # (C^B, B)
     grid = grid[grid.sum(axis=1) == root_budget]
     if grid.size == 0:
         return None
-    return float(activation_prob(p[None, :], grid).sum(axis=1).max())
+    return float(objective_table(p[None, :], grid, root_objective).sum(axis=1).max())
 
 
 def heap_prefix_objective(rewards: np.ndarray, probs: np.ndarray, budget: int) -> float:
@@ -126,24 +131,26 @@ def root_grid(rng: np.random.Generator, sizes: Sequence[int], budgets: Sequence[
     return rows
 
 
-def brute_force_check(rng: np.random.Generator, num_cases: int) -> dict:
-    """DP and Lagrangian against brute force on random small problems (B=5, m in {0, 2..6})."""
+def brute_force_check(rng: np.random.Generator, num_cases: int, root_objective: str = "groups") -> dict:
+    """DP and Lagrangian against brute force on random small problems (B=5, m in {0, 2..6}), for one objective."""
     m_min, m_max, size = 2, 6, 5
-    dp_gaps, lag_gaps, bound_violations, checked = [], [], 0, 0
+    dp_gaps, lag_gaps, certified, bound_violations, checked = [], [], [], 0, 0
     while checked < num_cases:
         p = rng.beta(*DIFFICULTY, size=size)
         budget = int(rng.integers(2, size * m_max + 1))
-        best = brute_force_roots(p, budget, m_min, m_max)
+        best = brute_force_roots(p, budget, m_min, m_max, root_objective)
         if best is None:
             continue
         checked += 1
-        dp = allocate_roots(p, budget, m_min, m_max, exact_max_cells=10**9)
-        lag = allocate_roots(p, budget, m_min, m_max, exact_max_cells=0)
+        dp = allocate_roots(p, budget, m_min, m_max, exact_max_cells=10**9, root_objective=root_objective)
+        lag = allocate_roots(p, budget, m_min, m_max, exact_max_cells=0, root_objective=root_objective)
         scale = max(best, 1e-12)
         dp_gaps.append((best - dp.objective) / scale)
         lag_gaps.append((best - lag.objective) / scale)
+        certified.append(lag.gap)
         bound_violations += int(lag.upper_bound < best - 1e-9)
-    return {"cases": checked, "B": size, "m_min": m_min, "m_max": m_max,
+    return {"root_objective": root_objective, "cases": checked, "B": size, "m_min": m_min, "m_max": m_max,
+            "lagrangian_max_certified_gap": float(max(certified)),
             "dp_max_gap": float(max(dp_gaps)), "lagrangian_max_true_gap": float(max(lag_gaps)),
             "lagrangian_mean_true_gap": float(np.mean(lag_gaps)), "dual_bound_violations": bound_violations}
 
@@ -245,7 +252,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     "prefix_1e5_under_0.2s": None if largest_prefix["anchors"] < 100_000 else bool(
                         max(r["seconds"] for r in prefixes if r["anchors"] == largest_prefix["anchors"]) < 0.2)},
     }
-    results = {"headline": headline, "root": roots, "root_brute_force": brute, "prefix": prefixes}
+    results = {"headline": headline, "root": roots, "root_brute_force": brute, "prefix": prefixes,
+               "root_brute_force_leaves": brute_force_check(np.random.default_rng(1), settings["brute_force_cases"],
+                                                            root_objective="leaves")}
     plot(roots, prefixes, figure_path(NAME, args.out))
     write_report(NAME, args.out, settings, results, quick=args.quick, started=started)
     return results

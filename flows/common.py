@@ -27,8 +27,37 @@ METRICS = REPO_ROOT / "metrics"
 # training checkpoints, kept out of every DVC output (see checkpoint_store)
 CHECKPOINTS = Path("data") / "checkpoints"
 
-def run_dir(ablation: str) -> Path:
-    return RUNS / ablation
+def run_dir(ablation: str, seed: int) -> Path:
+    """The train stage's output of one arm at one training seed: ``data/runs/<ablation>/s<seed>``."""
+    return RUNS / ablation / f"s{seed}"
+
+
+def eval_path(ablation: str, seed: int) -> Path:
+    """The evaluate stage's output of one arm at one seed: ``data/eval/<ablation>/s<seed>.json``."""
+    return EVAL / ablation / f"s{seed}.json"
+
+
+def run_config(cfg, seed: int):
+    """The config of one train or evaluate run: ``cfg`` with ``seed`` replaced by the training seed.
+
+    Every random stream of the run (candidate prompts, sampling, updates, evaluation) derives from it
+    exactly as from the global seed; the global seed's run is ``cfg`` itself. The run's ``params_hash``
+    and ``resume_hash`` hold the seed and, for a seed other than the global one, the global seed the
+    shared stages ran at (``train.seeds`` is left out of them), so MLflow keys and checkpoints are per
+    (warmup, arm, seed).
+
+    Raises:
+        ValueError: ``seed`` is not one of the training seeds (``train.seeds``, default the global seed).
+    """
+    seeds = cfg.train.run_seeds(cfg.seed)
+    if seed not in seeds:
+        raise ValueError(f"--seed {seed} is not a training seed {list(seeds)}: add it to train.seeds "
+                         "(e.g. -S 'train.seeds=[0,1,2]') or pick one of those")
+    if seed == cfg.seed:
+        return cfg
+    run = cfg.model_copy(update={"seed": int(seed)})
+    run._shared_seed = cfg.seed  # the warmup's seed: part of params_hash, so runs after another warmup differ
+    return run
 
 
 def checkpoint_store() -> Path:
@@ -45,11 +74,13 @@ def checkpoint_store() -> Path:
 
 def stage_args(description: str, *, ablation: bool = False, argv: list[str] | None = None) -> argparse.Namespace:
     """Parse the common stage options: ``--params`` (default params.yaml) and, for per-ablation stages,
-    ``--ablation``."""
+    ``--ablation`` and ``--seed``."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--params", default=str(REPO_ROOT / "params.yaml"), help="params file (default params.yaml)")
     if ablation:
         parser.add_argument("--ablation", required=True, help="ablation name (see train.ablations)")
+        parser.add_argument("--seed", type=int, default=None,
+                            help="training seed, one of train.seeds (default: the global seed)")
     return parser.parse_args(argv)
 
 
@@ -115,7 +146,7 @@ def load_stage_policy(cfg, path: Path):
 
 
 def stage_main(flow_fn, description: str, *, ablation: bool = False, argv: list[str] | None = None):
-    """Command-line entry of a stage: parse ``--params`` (and ``--ablation``), validate the params (a bad
+    """Command-line entry of a stage: parse ``--params`` (and ``--ablation``, ``--seed``), validate the params (a bad
     value exits with its key, value, rule and fix, no traceback), set the environment, run the stage's flow."""
     from trace.config import ConfigError
 
@@ -133,5 +164,10 @@ def stage_main(flow_fn, description: str, *, ablation: bool = False, argv: list[
     valid = list(cfg.train.ablations)
     if args.ablation not in valid:
         raise SystemExit(f"--ablation {args.ablation!r} is not in train.ablations {valid} of {args.params}")
+    seed = cfg.seed if args.seed is None else args.seed
+    try:
+        run_config(cfg, seed)
+    except ValueError as err:
+        raise SystemExit(f"{err} ({args.params})") from None
     with owned_flow_runs():
-        return flow_fn(args.params, args.ablation)
+        return flow_fn(args.params, args.ablation, seed)

@@ -1,6 +1,8 @@
-"""Stage ``evaluate@<ablation>``: held-out accuracy of the trained policy (greedy, pass@k, by hop count).
+"""Stage ``evaluate@<ablation>-<seed>``: held-out accuracy of the trained policy (greedy, pass@k, by hop count).
 
-Besides ``data/eval/<ablation>.json`` it writes the arm's DVC metrics file ``metrics/ablations/<ablation>.json``:
+One run per arm and training seed (``--seed``, default the global seed), sampling with that seed
+(``run_config``). Besides ``data/eval/<ablation>/s<seed>.json`` it writes the DVC metrics file
+``metrics/ablations/<ablation>/s<seed>.json``:
 the held-out accuracies and the training summary (means over steps of effective ratio, reward, ...; wall
 times left out, they differ between identical runs), which ``dvc exp show`` and ``dvc metrics diff``
 compare across experiments.
@@ -12,35 +14,37 @@ from prefect import flow
 
 import json
 
-from flows.common import stage_main, EVAL, METRICS, build_environment, load_stage_policy, open_run, read_split, \
-    run_dir, stage_params, write_json
+from flows.common import stage_main, METRICS, build_environment, eval_path, load_stage_policy, open_run, \
+    read_split, run_config, run_dir, stage_params, write_json
 
 
 def arm_metrics(eval_metrics: dict, train_summary: dict) -> dict:
     """The arm's DVC metrics: held-out accuracies and the training summary, without wall times."""
-    merged = {**{k: v for k, v in train_summary.items() if k != "ablation"}, **eval_metrics}
+    merged = {**{k: v for k, v in train_summary.items() if k not in ("ablation", "seed")}, **eval_metrics}
     return {k: v for k, v in sorted(merged.items()) if "time/" not in k}
 
 
 @flow(name="evaluate", log_prints=False)
-def evaluate_flow(params: str, ablation: str) -> dict:
+def evaluate_flow(params: str, ablation: str, seed: int | None = None) -> dict:
     from trace.params_file import load_config
     from trace.evaluation import evaluate_policy
     from trace.tracking import arm_result_metrics
 
-    cfg = load_config(params)
-    env = build_environment(cfg)
+    base = load_config(params)
+    env = build_environment(base)  # the task as prepared: built from the global seed
+    cfg = run_config(base, base.seed if seed is None else seed)
+    out_dir = run_dir(ablation, cfg.seed)
     evals = read_split("eval")[: cfg.evaluate.num_prompts]
-    policy = load_stage_policy(cfg, run_dir(ablation) / "final")
+    policy = load_stage_policy(cfg, out_dir / "final")
     with open_run(cfg, "evaluate", stage_params(cfg, "evaluate"), ablation=ablation) as run:
         metrics, _ = evaluate_policy(policy, env, evals, cfg.rollout, seed=cfg.seed,
                                      max_context_tokens=cfg.policy.max_context_tokens, pass_k=cfg.evaluate.pass_k,
                                      temperature=cfg.evaluate.temperature)
-        summary = json.loads((run_dir(ablation) / "summary.json").read_text())
+        summary = json.loads((out_dir / "summary.json").read_text())
         # the arm's results (arm/*) first: MLflow's compare view starts with a run's first metric
         run.log_metrics({**arm_result_metrics(metrics, summary, cfg.evaluate.pass_k), **metrics})
-        write_json(EVAL / f"{ablation}.json", {"ablation": ablation, **metrics})
-        write_json(METRICS / "ablations" / f"{ablation}.json", arm_metrics(metrics, summary))
+        write_json(eval_path(ablation, cfg.seed), {"ablation": ablation, "seed": cfg.seed, **metrics})
+        write_json(METRICS / "ablations" / ablation / f"s{cfg.seed}.json", arm_metrics(metrics, summary))
     print({k: round(v, 4) for k, v in metrics.items()})
     return metrics
 

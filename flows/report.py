@@ -1,11 +1,15 @@
-"""Stage ``report``: the ablation comparison, built from MLflow so the report and the MLflow UI agree.
+"""Stage ``report``: the ablation comparison over arms and training seeds, built from MLflow so the report and
+the MLflow UI agree.
 
-Writes ``reports/summary.md`` (a table ranking the ablations, and links to the MLflow UI: the arms' results
-in the runs table, a view the stage stores on the experiment, and the compare view of the arms),
-``reports/metrics.json`` and PNG plots: effective ratio per step, reward per step, generated tokens per
-step, and eval accuracy against cumulative generated tokens (``trace.report``). The table's numbers are
-the train runs' ``arm/*`` metrics (``trace.tracking.SUMMARY_METRIC_NAMES``) and the evaluate runs' held-out
-accuracies, the same values the MLflow compare view of the ``evaluate-*`` runs shows.
+Writes ``reports/summary.md`` (a table ranking the ablations by the mean over seeds with 95 % t-intervals,
+the paired differences against ``grpo`` called real or within noise, the generated tokens to reach
+``grpo``'s final accuracy, the allocation audit when logged, and links to the MLflow UI: the arms' results
+in the runs table, a view the stage stores on the experiment, and the compare view of the runs),
+``reports/metrics.json`` and PNG plots with bands over seeds: effective ratio, reward and generated tokens
+per step, held-out accuracy against cumulative generated tokens and against cumulative trajectories, and
+``audit.png`` when the train runs logged the audit (``trace.report``, ``trace.report_plots``). The numbers
+per seed are the train runs' ``arm/*`` metrics (``trace.tracking.SUMMARY_METRIC_NAMES``) and the evaluate
+runs' held-out accuracies, the same values the MLflow compare view of the ``evaluate-*`` runs shows.
 """
 
 from __future__ import annotations
@@ -14,15 +18,20 @@ import json
 
 from prefect import flow
 
-from flows.common import stage_main, METRICS, REPORTS, write_json
+from flows.common import stage_main, METRICS, REPORTS, run_config, write_json
 
 
 def collect(cfg) -> dict:
-    """``trace.report.collect_results`` for the config's arms, tracking section and params hashes."""
+    """``trace.report.collect_results`` for the config's arms, training seeds and tracking section: each
+    seed's runs by the hashes of its run config (``run_config``)."""
     from trace.report import collect_results
 
+    hashes = {}
+    for seed in cfg.train.run_seeds(cfg.seed):
+        run_cfg = run_config(cfg, seed)
+        hashes[seed] = (run_cfg.resume_hash(), run_cfg.params_hash())
     return collect_results(cfg.tracking.tracking_uri, cfg.tracking.experiment_name,
-                           list(cfg.train.ablations), cfg.resume_hash(), cfg.params_hash())
+                           list(cfg.train.ablations), hashes)
 
 
 @flow(name="report", log_prints=False)
@@ -30,25 +39,29 @@ def report_flow(params: str) -> dict:
     from mlflow.tracking import MlflowClient
 
     from trace.params_file import load_config
-    from trace.report import metrics_table, mlflow_links, render_markdown, write_plots
+    from trace.report import first_runs, metrics_table, mlflow_links, render_markdown
+    from trace.report_plots import write_plots
     from trace.tracking.experiment import resolve_tracking_uri, share_arms_view, ui_url
 
     cfg = load_config(params)
     results = collect(cfg)
-    missing = [a for a in cfg.train.ablations if a not in results]
+    seeds = cfg.train.run_seeds(cfg.seed)
+    missing = [f"{a}-{s}" for a in cfg.train.ablations for s in seeds if s not in results.get(a, {})]
     if missing:
-        raise RuntimeError(f"no finished MLflow train run for ablation(s) {missing} with params hash "
-                           f"{cfg.params_hash()}: run `dvc repro` (the train@ stages) first")
+        raise RuntimeError(f"no finished MLflow train run for (ablation-seed) {missing} with the params of "
+                           f"{params}: run `dvc repro` (the train@ stages) first")
     REPORTS.mkdir(parents=True, exist_ok=True)
     warmup_path = METRICS / "warmup.json"
     warmup = json.loads(warmup_path.read_text()) if warmup_path.is_file() else {}
-    write_plots(results, REPORTS)
+    plots = write_plots(results, REPORTS, cfg.evaluate.pass_k)
     client = MlflowClient(resolve_tracking_uri(cfg.tracking.tracking_uri))
-    view_key = share_arms_view(client, next(iter(results.values()))["experiment_id"], cfg.params_hash(),
-                               cfg.evaluate.pass_k) if results else None
+    first = first_runs(results)
+    view_key = share_arms_view(client, next(iter(first.values()))["experiment_id"],
+                               run_config(cfg, seeds[0]).params_hash(), cfg.evaluate.pass_k) if first else None
     links = mlflow_links(results, ui_url(cfg.tracking.tracking_uri), view_key)
-    (REPORTS / "summary.md").write_text(render_markdown(results, warmup, cfg.evaluate.pass_k, links))
-    table = metrics_table(results)
+    (REPORTS / "summary.md").write_text(render_markdown(results, warmup, cfg.evaluate.pass_k, links,
+                                                        [p.name for p in plots]))
+    table = metrics_table(results, cfg.evaluate.pass_k)
     write_json(REPORTS / "metrics.json", {"warmup": warmup, "ablations": table})
     print((REPORTS / "summary.md").read_text())
     return table

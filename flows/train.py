@@ -1,4 +1,10 @@
-"""Stage ``train@<ablation>``: RL steps of one arm, resumable; chunks of steps run as Prefect tasks.
+"""Stage ``train@<ablation>-<seed>``: RL steps of one arm at one training seed, resumable; chunks of steps run
+as Prefect tasks.
+
+Seeds: ``dvc.yaml`` runs the stage over ``train.ablations`` x ``train.seeds`` (``--seed``, default the global
+seed). The run's config is the params with ``seed`` replaced by the training seed (``run_config``), so every
+arm at one seed sees the same candidate prompts, and the global seed's run draws what a run without
+``train.seeds`` draws. The warmup policy and the fitted predictor are shared by every seed.
 
 A Prefect task costs ~0.15 s on a local server against ~1-2 s for a default step, so each task runs
 ``train.steps_per_task`` steps; the share of a step spent outside model compute is measured by the
@@ -6,12 +12,13 @@ orchestration benchmark.
 
 Resume: the trainer works in a checkpoint folder outside every DVC output,
 ``data/checkpoints/<ablation>/<params hash>-<deps hash>`` of the main repository (``checkpoint_store``),
-keyed by the params (``Config.resume_hash``: all but the step count and checkpoint cadence) and the contents
+keyed by the run's params (``Config.resume_hash`` of the run config, so per seed: all but the step count and
+checkpoint cadence) and the contents
 of the stage's ``deps`` in ``dvc.yaml`` (code, prepared prompts, warmup policy, predictor). A killed run
 started again with the same command (``make run``, ``dvc repro``, ``dvc exp run``, a queued experiment)
 continues from its last checkpoint, even after DVC restored the stage's outputs of another run from
-``dvc.lock``. The stage's output ``data/runs/<ablation>`` (trees, final policy, summary) is written from the
-checkpoint folder at the end.
+``dvc.lock``. The stage's output ``data/runs/<ablation>/s<seed>`` (trees, final policy, summary) is written
+from the checkpoint folder at the end.
 
 MLflow gets a step's metrics once the checkpoint that holds the step is saved (from the trainer's history),
 so a resumed run logs every step exactly once.
@@ -27,17 +34,18 @@ from prefect import flow, task
 from prefect.cache_policies import NONE
 
 from flows.common import REPO_ROOT, stage_main, PREDICTOR, WARMUP_MODEL, build_environment, checkpoint_store, \
-    load_stage_policy, open_run, read_split, run_dir, stage_params, write_json
+    load_stage_policy, open_run, read_split, run_config, run_dir, stage_params, write_json
 
 # logged at every step, in the same batch as the step's other metrics: marks a step as logged
 STEP_MARKER = "tokens/cumulative"
 
 
 def checkpoint_dir(cfg, ablation: str) -> Path:
-    """The arm's checkpoint folder for these params and the current contents of the stage's deps."""
+    """The arm's checkpoint folder for these params (a run config: its ``seed`` is the training seed) and the
+    current contents of the stage's deps."""
     from trace.stages import deps_digest, stage_deps
 
-    deps = stage_deps(REPO_ROOT / "dvc.yaml", "train", ablation)
+    deps = stage_deps(REPO_ROOT / "dvc.yaml", "train", {"ablation": ablation, "seed": cfg.seed})
     return checkpoint_store() / ablation / f"{cfg.resume_hash()}-{deps_digest(REPO_ROOT, deps)}"
 
 
@@ -73,7 +81,7 @@ def logged_steps(run) -> set[int]:
     return {m.step for m in run.client.get_metric_history(run.run_id, metric_key(STEP_MARKER))}
 
 
-def write_outputs(trainer, policy, out_dir: Path, summary: dict, ablation: str) -> None:
+def write_outputs(trainer, policy, out_dir: Path, summary: dict, ablation: str, seed: int) -> None:
     """The stage's DVC output: the trees of every step, the final policy and the summary."""
     from trace.policy.model import save_policy
 
@@ -83,7 +91,7 @@ def write_outputs(trainer, policy, out_dir: Path, summary: dict, ablation: str) 
         shutil.copytree(trainer.trees_root, out_dir / "trees")
     policy.model.load_state_dict(trainer.updater.policy_state_dict())
     save_policy(policy, out_dir / "final")
-    write_json(out_dir / "summary.json", {"ablation": ablation, **summary})
+    write_json(out_dir / "summary.json", {"ablation": ablation, "seed": seed, **summary})
 
 
 @task(name="train-steps", cache_policy=NONE)
@@ -93,15 +101,16 @@ def train_steps(trainer, until_step: int) -> int:
 
 
 @flow(name="train", log_prints=False)
-def train_flow(params: str, ablation: str) -> dict:
+def train_flow(params: str, ablation: str, seed: int | None = None) -> dict:
     from trace.params_file import load_config
     from trace.loop import Trainer
     from trace.predictor import load_predictor
     from trace.seeding import check_candidate_pool
     from trace.tracking import metric_key, summary_metrics
 
-    cfg = load_config(params)
-    env = build_environment(cfg)
+    base = load_config(params)
+    env = build_environment(base)  # the task as prepared: built from the global seed
+    cfg = run_config(base, base.seed if seed is None else seed)
     train, evals = read_split("train"), read_split("eval")
     check_candidate_pool(len(train), cfg.allocation.num_candidates)  # before the policy loads
     policy = load_stage_policy(cfg, WARMUP_MODEL)
@@ -122,7 +131,7 @@ def train_flow(params: str, ablation: str) -> dict:
                 step = train_steps(trainer, min(step + cfg.train.steps_per_task, cfg.train.num_steps))
                 log_checkpointed_steps(run, trainer.history, trainer.checkpoint_step, logged)
             summary = trainer.summary()
-            write_outputs(trainer, policy, run_dir(ablation), summary, ablation)
+            write_outputs(trainer, policy, run_dir(ablation, cfg.seed), summary, ablation, cfg.seed)
             known = run.client.get_run(run.run_id).data.metrics  # a resumed finished run: log nothing twice
             run.log_metrics({k: v for k, v in summary_metrics(summary).items()
                              if known.get(metric_key(k)) != v}, trainer.next_step)

@@ -277,3 +277,44 @@ def test_an_unsplittable_root_budget_fails_at_config_load_naming_the_arm_and_key
     assert "[8, 64]" in message and "{" not in message  # the message, not the section's whole mapping
     # the same budget is fine for arms without stage 1
     config_from_dict({"allocation": {"num_candidates": 4, "m_min": 8, "m_max": 16}, "train": {"ablations": ["grpo"]}})
+
+
+# ---- the stage-1 objective -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("arm", ["trace", "trace_root"])
+def test_root_objective_reaches_the_trace_rule(arm):
+    p = np.random.default_rng(7).beta(0.3, 0.3, size=32)
+    kwargs = dict(trajectory_budget=128, expansion_ratio=1.0, group_size=8, m_min=4, m_max=16)
+    spec = get_arm(arm)
+    groups = plan_root_counts(spec, p, **kwargs)
+    leaves = plan_root_counts(spec, p, root_objective="leaves", **kwargs)
+    budget = 64 if spec.has_expansion else 128
+    np.testing.assert_array_equal(groups.counts, allocate_roots(p, budget, 4, 16).counts)
+    np.testing.assert_array_equal(leaves.counts, allocate_roots(p, budget, 4, 16, root_objective="leaves").counts)
+    assert leaves.counts.sum() == budget and not np.array_equal(groups.counts, leaves.counts)
+    # fewer, larger groups: a group's value grows with its size under leaves
+    assert np.count_nonzero(leaves.counts) < np.count_nonzero(groups.counts)
+    assert groups.info["root_objective"] == "groups" and leaves.info["root_objective"] == "leaves"
+    expected = float(np.sum(leaves.counts * (1 - p ** leaves.counts - (1 - p) ** leaves.counts)))
+    assert leaves.info["objective"] == pytest.approx(expected)
+
+
+def test_knapsack_keeps_its_own_objective_under_leaves():
+    p = np.random.default_rng(8).random(16)
+    groups = plan("knapsack", p, budget=64)
+    leaves = plan_root_counts(get_arm("knapsack"), p, trajectory_budget=64, expansion_ratio=1.0, group_size=8,
+                              m_min=2, m_max=16, root_objective="leaves")
+    np.testing.assert_array_equal(groups.counts, leaves.counts)
+    assert leaves.info["root_objective"] == "groups"
+
+
+def test_unknown_root_objective_is_refused_with_the_key():
+    with pytest.raises(ValueError, match=r"allocation\.root_objective='prompts'.*\['groups', 'leaves'\]"):
+        plan_root_counts(get_arm("trace"), np.full(4, 0.5), trajectory_budget=16, expansion_ratio=1.0,
+                         group_size=8, m_min=2, m_max=8, root_objective="prompts")
+
+
+def test_allocation_config_validates_the_root_objective():
+    assert AllocationConfig().root_objective == "groups"
+    assert AllocationConfig(root_objective="leaves").root_objective == "leaves"
+    with pytest.raises(ValueError, match=r"root_objective\s+Input should be 'groups' or 'leaves'"):
+        AllocationConfig(root_objective="prompts")

@@ -138,6 +138,73 @@ def test_simulated_step_spends_the_trajectory_budget_for_every_arm():
         _, metrics = allocation_quality.simulated_step(get_arm(arm), env, env.prompts(), oracle, acfg,
                                                        seed=0, step=0)
         assert metrics["rollout/trajectories"] == 32 or (arm == "dapo" and metrics["rollout/trajectories"] <= 32)
+        # the audit of each arm: a forecast only where the arm reads predictions
+        assert metrics["audit/groups"] == metrics["rollout/prompts"]
+        assert np.isnan(metrics["audit/expected_mixed_groups"]) != get_arm(arm).uses_predictor
+        assert set(allocation_quality.METRIC_KEYS) >= {"audit/expected_flips", "audit/flips", "audit/anchors"}
+
+
+def _root_counts(trees):
+    return np.array([sum(1 for n in t.nodes[1:] if n.origin == Origin.ROLLOUT and n.turn_idx == 0) for t in trees])
+
+
+def test_simulated_step_solves_the_configured_root_objective():
+    env = SimulatorEnvironment(SimulatorConfig(num_prompts=64), seed=2)
+    oracle = make_predictor(PredictorConfig(kind=PredictorKind.ORACLE), env=env)
+    runs = {}
+    for objective in ("groups", "leaves"):
+        acfg = AllocationConfig(m_min=4, root_objective=objective)
+        trees, metrics = allocation_quality.simulated_step(get_arm("trace_root"), env, env.prompts(), oracle, acfg,
+                                                           seed=0, step=0)
+        counts = _root_counts(trees)
+        p = np.array([t.root.pred_success_prob for t in trees])
+        weight = counts if objective == "leaves" else 1
+        # the logged stage-1 objective is that of the sampled counts, under the configured objective
+        assert metrics["allocation/root_objective"] == pytest.approx(
+            float(np.sum(weight * (1 - p ** counts - (1 - p) ** counts))))
+        runs[objective] = counts
+    assert runs["groups"].sum() == runs["leaves"].sum() == 128
+    assert runs["leaves"].size < runs["groups"].size  # fewer, larger groups
+
+
+def test_default_benchmark_step_is_the_groups_objective():
+    env = SimulatorEnvironment(SimulatorConfig(num_prompts=64), seed=3)
+    oracle = make_predictor(PredictorConfig(kind=PredictorKind.ORACLE), env=env)
+    steps = [allocation_quality.simulated_step(get_arm("trace"), env, env.prompts(), oracle, acfg, seed=0, step=1)
+             for acfg in (AllocationConfig(), AllocationConfig(root_objective="groups"))]
+    assert steps[0][1] == steps[1][1]
+    np.testing.assert_array_equal(_root_counts(steps[0][0]), _root_counts(steps[1][0]))
+
+
+def test_t_interval_matches_the_hand_value():
+    # [0.6, 0.7, 0.8]: mean 0.7, s = 0.1, t_{0.975, 2} = 4.3027: 0.7 +- 4.3027 * 0.1 / sqrt(3) = 0.7 +- 0.24842
+    stat = allocation_quality.t_interval([0.6, 0.7, 0.8])
+    assert stat["mean"] == pytest.approx(0.7) and stat["n"] == 3
+    assert stat["half_width"] == pytest.approx(0.24842, abs=1e-5)
+    assert (stat["low"], stat["high"]) == pytest.approx((0.7 - 0.24842, 0.7 + 0.24842), abs=1e-5)
+    assert np.isnan(allocation_quality.t_interval([0.5])["half_width"])
+
+
+def test_quick_objective_comparison_reports_both_objectives(tmp_path):
+    results = allocation_quality.compare_objectives(["--quick", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "allocation_objectives.json").read_text())
+    assert report["benchmark"] == "allocation_objectives" and (tmp_path / "allocation_objectives.png").exists()
+    for m_min in (4, 8):
+        for arm in ("trace", "trace_root"):
+            cell = results[f"m_min={m_min}"]["oracle"][arm]
+            assert cell["groups"]["effective_ratio"]["n"] == cell["leaves"]["effective_ratio"]["n"] == 2
+            assert cell["leaves_minus_groups"]["mean"] == pytest.approx(
+                cell["leaves"]["effective_ratio"]["mean"] - cell["groups"]["effective_ratio"]["mean"])
+            # leaves spends the same roots on fewer, larger groups
+            assert cell["leaves"]["active_prompt_ratio"]["mean"] < cell["groups"]["active_prompt_ratio"]["mean"]
+
+
+def test_solver_brute_force_check_covers_both_objectives():
+    for objective in ("groups", "leaves"):
+        check = solver_speed.brute_force_check(np.random.default_rng(0), 6, root_objective=objective)
+        assert check["root_objective"] == objective and check["cases"] == 6
+        assert check["dp_max_gap"] == pytest.approx(0.0, abs=1e-12) and check["dual_bound_violations"] == 0
+        assert check["lagrangian_max_true_gap"] <= check["lagrangian_max_certified_gap"] + 1e-12
 
 
 def test_root_feasibility_names_infeasible_pairs():

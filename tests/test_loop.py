@@ -150,3 +150,24 @@ def test_dapo_step_without_a_mixed_group_trains_on_nothing_and_logs_it(tmp_path,
     assert metrics["rollout/trajectories"] == trainer.cfg.allocation.trajectory_budget
     assert metrics["effective_ratio"] == 0.0
     assert len(read_trees(tree_path(trainer.trees_root, "dapo", 0))) == metrics["rollout/prompts"]
+    # the audit counts every group dapo sampled; none is mixed, and dapo forecasts nothing
+    assert metrics["audit/groups"] == metrics["rollout/prompts"] and metrics["audit/mixed_groups"] == 0.0
+    assert np.isnan(metrics["audit/expected_mixed_groups"]) and metrics["audit/anchors"] == 0.0
+
+
+@pytest.mark.slow
+def test_a_trace_step_logs_the_allocation_audit_of_its_trees(tmp_path):
+    from trace.audit import AUDIT_METRIC_KEYS, mixed_root_groups
+    from trace.tree_io import read_trees, tree_path
+
+    trainer = tiny_trainer("trace", tmp_path)
+    logged = []
+    trainer.log_metrics = lambda metrics, step: logged.append(metrics)
+    metrics = trainer.step(0)
+    assert set(AUDIT_METRIC_KEYS) <= set(logged[0])
+    trees = read_trees(tree_path(trainer.trees_root, "trace", 0))
+    assert metrics["audit/groups"] == len(trees) and metrics["audit/mixed_groups"] == mixed_root_groups(trees)
+    assert np.isfinite(metrics["audit/expected_mixed_groups"]) and np.isfinite(metrics["audit/expected_flips"])
+    assert 0.0 <= metrics["audit/expected_flips"] <= metrics["audit/anchors"]
+    assert metrics["audit/flips"] <= metrics["audit/anchors"]
+    assert metrics["audit/anchors"] == sum(n.num_branches > 0 for t in trees for n in t.nodes[1:])

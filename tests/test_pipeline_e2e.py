@@ -85,14 +85,17 @@ def test_pipeline_runs_end_to_end_then_caches_and_reruns_only_downstream_of_a_ch
     summary = (project_dir / "reports" / "summary.md").read_text()
     for ablation in ("grpo", "dapo", "trace"):
         assert f"| {ablation} |" in summary
-        assert (project_dir / "data" / "runs" / ablation / "final").is_dir()
-        assert json.loads((project_dir / "data" / "eval" / f"{ablation}.json").read_text())["ablation"] == ablation
-    for png in ("effective_ratio.png", "accuracy_vs_tokens.png", "reward.png", "tokens.png"):
+        assert (project_dir / "data" / "runs" / ablation / "s0" / "final").is_dir()
+        evaluated = json.loads((project_dir / "data" / "eval" / ablation / "s0.json").read_text())
+        assert (evaluated["ablation"], evaluated["seed"]) == (ablation, 0)
+    assert "one seed, no interval" in summary and "## Against grpo" in summary
+    for png in ("effective_ratio.png", "accuracy_vs_tokens.png", "accuracy_vs_trajectories.png", "reward.png",
+                "tokens.png"):
         assert (project_dir / "reports" / png).stat().st_size > 1000
 
     from trace.tree_io import read_trees, tree_path
 
-    trees = read_trees(tree_path(project_dir / "data" / "runs" / "trace" / "trees", "trace", 0))
+    trees = read_trees(tree_path(project_dir / "data" / "runs" / "trace" / "s0" / "trees", "trace", 0))
     assert trees and all(t.ablation == "trace" and t.step == 0 for t in trees)
     assert sum(t.num_trajectories() for t in trees) == 16  # allocation.trajectory_budget
 
@@ -106,7 +109,7 @@ def test_pipeline_runs_end_to_end_then_caches_and_reruns_only_downstream_of_a_ch
                                                             "update: {micro_batch_size: 16, lr: 0.0002,"))
     status = _dvc(project_dir, env, "status")
     changed = status.stdout
-    assert "train@trace" in changed and "train@grpo" in changed
+    assert "train@trace-0" in changed and "train@grpo-0" in changed
     for upstream in ("prepare:", "warmup:", "seed_rollouts:", "fit_predictor:"):
         assert upstream not in changed, changed
 
@@ -146,7 +149,7 @@ def _without_times(data: dict) -> dict:
 
 
 def test_a_killed_dvc_exp_run_resumes_training_and_records_the_experiment(project):
-    """SIGKILL during train@dapo after its step-2 checkpoint; the same `dvc exp run` again resumes at step 2
+    """SIGKILL during train@dapo-0 after its step-2 checkpoint; the same `dvc exp run` again resumes at step 2
     (though DVC restores the stage's outputs from dvc.lock first) and ends as an uninterrupted run does."""
     from trace.params_file import load_config
     from trace.tree_io import tree_path
@@ -174,12 +177,12 @@ def test_a_killed_dvc_exp_run_resumes_training_and_records_the_experiment(projec
     cfg = load_config(project_dir / "params.yaml")
     assert cfg.advantages.clip == 4.0 and cfg.train.num_steps == 5
     assert _step_history(project_dir, cfg.resume_hash(), "dapo") == [0, 1, 2, 3, 4]  # each step logged once
-    resumed_summary = json.loads((project_dir / "data" / "runs" / "dapo" / "summary.json").read_text())
-    resumed_metrics = json.loads((project_dir / "metrics" / "ablations" / "dapo.json").read_text())
+    resumed_summary = json.loads((project_dir / "data" / "runs" / "dapo" / "s0" / "summary.json").read_text())
+    resumed_metrics = json.loads((project_dir / "metrics" / "ablations" / "dapo" / "s0.json").read_text())
 
     shown = _dvc(project_dir, env, "exp", "show", "--json")
     assert shown.returncode == 0, shown.stderr
-    assert "metrics/ablations/dapo.json" in shown.stdout and "accuracy/greedy" in shown.stdout
+    assert "metrics/ablations/dapo/s0.json" in shown.stdout and "accuracy/greedy" in shown.stdout
 
     # the same params uninterrupted, from an empty checkpoint folder
     shutil.rmtree(marker)
@@ -188,9 +191,9 @@ def test_a_killed_dvc_exp_run_resumes_training_and_records_the_experiment(projec
                              env=env, capture_output=True, text=True, timeout=900)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         assert "resuming" not in out.stdout
-    fresh_summary = json.loads((project_dir / "data" / "runs" / "dapo" / "summary.json").read_text())
+    fresh_summary = json.loads((project_dir / "data" / "runs" / "dapo" / "s0" / "summary.json").read_text())
     assert _without_times(resumed_summary) == _without_times(fresh_summary)
-    assert resumed_metrics == json.loads((project_dir / "metrics" / "ablations" / "dapo.json").read_text())
+    assert resumed_metrics == json.loads((project_dir / "metrics" / "ablations" / "dapo" / "s0.json").read_text())
 
 
 def test_a_bad_param_stops_dvc_exp_run_at_the_check_before_any_other_stage(project):
@@ -203,6 +206,20 @@ def test_a_bad_param_stops_dvc_exp_run_at_the_check_before_any_other_stage(proje
     assert "git checkout params.yaml" in text and "Traceback" not in text
     assert [line for line in text.splitlines() if line.startswith("Running stage")] == \
         ["Running stage 'check_params':"]
+    subprocess.run(["git", "checkout", "params.yaml"], cwd=project_dir, check=True)
+
+
+def test_two_training_seeds_train_every_arm_twice_from_one_warmup_and_report_intervals(project):
+    project_dir, env = project
+    subprocess.run(["git", "checkout", "params.yaml"], cwd=project_dir, check=True)
+    out = _dvc(project_dir, env, "exp", "run", "-S", "train.seeds=[0,1]")
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    ran = [line for line in out.stdout.splitlines() if line.startswith("Running stage")]
+    assert "Running stage 'train@trace-1':" in ran and "Running stage 'evaluate@grpo-1':" in ran, ran
+    assert not any(name in line for line in ran for name in ("'warmup'", "'prepare'", "'fit_predictor'")), ran
+    summary = (project_dir / "reports" / "summary.md").read_text()
+    assert "Seeds 0, 1 (2 runs per arm)" in summary and "one seed, no interval" not in summary
+    assert (project_dir / "data" / "runs" / "trace" / "s1" / "final").is_dir()
     subprocess.run(["git", "checkout", "params.yaml"], cwd=project_dir, check=True)
 
 

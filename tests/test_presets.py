@@ -142,6 +142,6 @@ def test_hotpotqa_preset_runs_every_dvc_stage_with_smollm2(tmp_path):
         subprocess.run([sys.executable, "-m", "flows.server", "stop"], cwd=project, env=env, timeout=60)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert "| trace |" in (project / "reports" / "summary.md").read_text()
-    assert json.loads((project / "data" / "eval" / "trace.json").read_text())["ablation"] == "trace"
-    for folder in (project / "data" / "models" / "warmup", project / "data" / "runs" / "trace" / "final"):
+    assert json.loads((project / "data" / "eval" / "trace" / "s0.json").read_text())["ablation"] == "trace"
+    for folder in (project / "data" / "models" / "warmup", project / "data" / "runs" / "trace" / "s0" / "final"):
         assert any(f.suffix == ".safetensors" for f in folder.iterdir()), os.listdir(folder)

@@ -1,45 +1,131 @@
-"""reports/summary.md as a whole: the same results give the same bytes, ranked and formatted as documented."""
+"""reports/summary.md as a whole: the same results give the same bytes, ranked and formatted as documented;
+the plots with their bands, the audit only when logged, and reports/metrics.json."""
 
+import json
+import math
 from pathlib import Path
 
-from trace.report import PLOTS, TABLE_SUMMARY_KEYS, metrics_table, render_markdown, write_plots
+import pytest
+
+from trace.report import TABLE_SUMMARY_KEYS, arm_statistics, metrics_table, render_markdown
+from trace.report_plots import AUDIT_PLOT, PLOTS, write_plots
 from trace.tracking.names import SUMMARY_METRIC_NAMES
 
-# trace and grpo tie on held-out accuracy (0.400); trace ranks first on effective ratio (0.9 > 0.6); an arm
-# without results ranks last with nan everywhere; 12345 generated tokens print with a thousands separator
-RESULTS = {
-    "grpo": {"run_id": "r1", "experiment_id": "7", "eval_run_id": "e1", "history": {},
-             "summary": {"arm/eff_ratio": 0.6, "arm/eff_tok_ratio": 0.55, "arm/active_prompts": 0.3,
-                         "arm/reward": 0.5, "arm/tokens": 12345.0, "arm/traj_step": 16.0, "arm/sec_step": 0.25},
-             "eval": {"accuracy/greedy": 0.4, "accuracy/pass_at_2": 0.5}},
-    "trace": {"run_id": "r2", "experiment_id": "7", "history": {}, "summary": {"arm/eff_ratio": 0.9},
-              "eval": {"accuracy/greedy": 0.4}},
-    "tree_random": {"run_id": "r3", "experiment_id": "7", "history": {}, "summary": {}},
+# one seed: trace and grpo tie on held-out accuracy (0.400); trace ranks first on effective ratio (0.9 > 0.6);
+# an arm without results ranks last with nan everywhere; 12345 generated tokens print with a thousands
+# separator. grpo ends training at 0.40 held-out accuracy; trace passes 0.40 between 100 tokens (0.30) and
+# 200 tokens (0.50), at 150; tree_random never evaluates
+ONE_SEED = {
+    "grpo": {0: {"run_id": "r1", "experiment_id": "7", "eval_run_id": "e1",
+                 "history": {"accuracy/eval": [(0, 0.2), (1, 0.4)], "tokens/cumulative": [(0, 100.0), (1, 200.0)]},
+                 "summary": {"arm/eff_ratio": 0.6, "arm/eff_tok_ratio": 0.55, "arm/active_prompts": 0.3,
+                             "arm/reward": 0.5, "arm/tokens": 12345.0, "arm/traj_step": 16.0, "arm/sec_step": 0.25},
+                 "eval": {"accuracy/greedy": 0.4, "accuracy/mean_at_2": 0.35, "accuracy/pass_at_2": 0.5}}},
+    "trace": {0: {"run_id": "r2", "experiment_id": "7",
+                  "history": {"accuracy/eval": [(0, 0.3), (1, 0.5)], "tokens/cumulative": [(0, 100.0), (1, 200.0)]},
+                  "summary": {"arm/eff_ratio": 0.9}, "eval": {"accuracy/greedy": 0.4}}},
+    "tree_random": {0: {"run_id": "r3", "experiment_id": "7", "history": {}, "summary": {}}},
 }
-TABLE = (
-    "| rank | ablation | eval greedy | eval pass@2 | effective ratio | effective token ratio | active prompts | "
-    "train reward | generated tokens | trajectories/step | s/step |\n"
-    "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
-    "| 1 | trace | 0.400 | nan | 0.900 | nan | nan | nan | nan | nan | nan |\n"
-    "| 2 | grpo | 0.400 | 0.500 | 0.600 | 0.550 | 0.300 | 0.500 | 12,345 | 16 | 0.25 |\n"
-    "| 3 | tree_random | nan | nan | nan | nan | nan | nan | nan | nan | nan |\n"
-    "\n"
-    "Plots: `effective_ratio.png`, `reward.png`, `tokens.png`, `accuracy_vs_tokens.png`.\n"
-)
-INTRO = ("Ranked by held-out greedy accuracy after RL (ties: effective ratio). Means are over training steps;\n"
-         "every arm samples the same number of trajectories per step.\n\n")
+HEADER = (
+    "| rank | ablation | eval greedy | eval mean@2 | eval pass@2 | effective ratio | effective token ratio | "
+    "active prompts | train reward | generated tokens | trajectories/step | s/step |\n"
+    "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+ONE_SEED_TEXT = (
+    "Seed 0 only: one seed, no interval (run more with `dvc exp run -S 'train.seeds=[0,1,2]'`).\n\n"
+    "Ranked by mean held-out greedy accuracy after RL (ties: effective ratio). Training columns are means over "
+    "steps;\nevery arm samples the same number of trajectories per step.\n\n" + HEADER +
+    "| 1 | trace | 0.400 | nan | nan | 0.900 | nan | nan | nan | nan | nan | nan |\n"
+    "| 2 | grpo | 0.400 | 0.350 | 0.500 | 0.600 | 0.550 | 0.300 | 0.500 | 12,345 | 16 | 0.25 |\n"
+    "| 3 | tree_random | nan | nan | nan | nan | nan | nan | nan | nan | nan | nan |\n"
+    "\n## Against grpo\n\n"
+    "Paired differences (arm minus grpo at the same seed), mean and 95% t-interval; a difference is real only "
+    "when its interval excludes 0.\n\n"
+    "| ablation | Δ eval greedy | Δ eval mean@2 | Δ effective ratio | Δ effective token ratio | "
+    "Δ generated tokens |\n|---|---:|---:|---:|---:|---:|\n"
+    "| trace | +0.000 | nan | +0.300 | nan | nan |\n"
+    "| tree_random | nan | nan | nan | nan | nan |\n\n"
+    "- trace against grpo: held-out greedy accuracy +0.000 (one seed, no interval); held-out sampled accuracy "
+    "nan (no value); effective ratio +0.300 (one seed, no interval); effective token ratio nan (no value); "
+    "generated tokens nan (no value).\n"
+    "- tree_random against grpo: held-out greedy accuracy nan (no value); held-out sampled accuracy nan "
+    "(no value); effective ratio nan (no value); effective token ratio nan (no value); generated tokens nan "
+    "(no value).\n"
+    "\n## Sample efficiency\n\n"
+    "Generated tokens to reach grpo's final in-training held-out accuracy (0.400, mean over seeds of its last "
+    "`accuracy/eval`): per seed the first crossing of accuracy against cumulative generated tokens, linearly "
+    "interpolated; mean over the seeds that reach it.\n\n"
+    "| ablation | tokens to 0.400 | seeds reaching |\n|---|---:|---:|\n"
+    "| trace | 150 | 1/1 |\n| grpo | 200 | 1/1 |\n| tree_random | not reached | 0/1 |\n\n")
+
+
+def _seeded(values: dict[str, list[float]], curves: list[list[float]] | None = None,
+            audit: bool = False) -> dict:
+    """An arm's runs at seeds 0, 1, 2 with the given held-out greedy accuracies and effective ratios."""
+    out = {}
+    for seed in range(3):
+        history = {"tokens/cumulative": [(0, 100.0), (1, 200.0), (2, 300.0)],
+                   "rollout/cumulative_trajectories": [(0, 16.0), (1, 32.0), (2, 48.0)],
+                   "effective_ratio": [(0, 0.5), (1, 0.6), (2, 0.7)]}
+        if curves:
+            history["accuracy/eval"] = [(s, acc) for s, acc in enumerate(curves[seed])]
+        if audit:
+            history.update({"audit/expected_mixed_groups": [(0, 4.0), (1, 6.0)],
+                            "audit/mixed_groups": [(0, 3.0), (1, 4.0)],
+                            "audit/expected_flips": [(0, 1.0)], "audit/flips": [(0, 2.0)]})
+        out[seed] = {"run_id": f"r{seed}", "experiment_id": "7", "history": history,
+                     "summary": {"arm/eff_ratio": values["eff"][seed]},
+                     "eval": {"accuracy/greedy": values["acc"][seed]}}
+    return out
+
+
+# three seeds: trace - grpo = 0.10, 0.12, 0.11 in accuracy (mean 0.11, s = 0.01: real); effective ratio
+# differences 0.1, -0.1, 0.0 (within noise)
+THREE_SEEDS = {
+    "grpo": _seeded({"acc": [0.40, 0.30, 0.35], "eff": [0.5, 0.6, 0.5]},
+                    [[0.1, 0.2, 0.4], [0.1, 0.2, 0.3], [0.1, 0.4, 0.35]]),
+    "trace": _seeded({"acc": [0.50, 0.42, 0.46], "eff": [0.6, 0.5, 0.5]},
+                     [[0.2, 0.4, 0.5], [0.2, 0.3, 0.5], [0.1, 0.2, 0.3]], audit=True),
+}
 
 
 def test_summary_markdown_is_byte_for_byte_the_documented_report():
     links = {"runs": "http://ui/runs", "compare": "http://ui/compare"}
-    text = render_markdown(RESULTS, {"accuracy/greedy": 0.3}, 2, links)
-    assert text == ("# Ablation report\n\nHeld-out greedy accuracy after warmup: **0.300**\n\n" + INTRO + TABLE +
-                    "\nMLflow (`make ui`): [the arms' results](http://ui/runs) (`arm/acc`, `arm/eff_ratio`, ...), "
+    text = render_markdown(ONE_SEED, {"accuracy/greedy": 0.3}, 2, links, ["a.png", "b.png"])
+    assert text == ("# Ablation report\n\nHeld-out greedy accuracy after warmup: **0.300**\n\n" + ONE_SEED_TEXT +
+                    "Plots: `a.png`, `b.png`.\n\n"
+                    "MLflow (`make ui`): [the arms' results](http://ui/runs) (`arm/acc`, `arm/eff_ratio`, ...), "
                     "[compare the arms](http://ui/compare).\n")
 
 
 def test_without_a_warmup_baseline_or_links_the_report_keeps_its_blank_lines():
-    assert render_markdown(RESULTS, {}, 2, None) == "# Ablation report\n\n\n\n" + INTRO + TABLE
+    assert render_markdown(ONE_SEED, {}, 2, None) == "# Ablation report\n\n\n\n" + ONE_SEED_TEXT[:-1]
+
+
+def test_three_seeds_show_intervals_and_call_only_intervals_that_exclude_zero_real():
+    text = render_markdown(THREE_SEEDS, {}, 2)
+    half = 4.302653 * 0.01 / math.sqrt(3)  # the accuracy differences' t-interval
+    assert f"held-out greedy accuracy +0.110 [{0.11 - half:+.3f}, {0.11 + half:+.3f}] (real)" in text
+    assert "effective ratio +0.000 [-0.248, +0.248] (within noise)" in text  # s = 0.1: 4.303 * 0.1 / sqrt(3)
+    assert "| 1 | trace | 0.460 ± 0.099 |" in text
+    assert "Seeds 0, 1, 2 (3 runs per arm)" in text and "one seed" not in text
+    # grpo's final (not best) accuracies 0.4, 0.3, 0.35: target 0.35. trace crosses it at 175 (0.2 -> 0.4 over
+    # 100..200), 225 (0.3 -> 0.5 over 200..300), and seed 2 never (0.3): mean 200 over 2 seeds
+    stats = arm_statistics(THREE_SEEDS, 2)
+    assert stats["target"].mean == pytest.approx(0.35)
+    assert stats["arms"]["trace"]["tokens_to_target"].mean == pytest.approx(200.0)
+    assert stats["arms"]["trace"]["reached"] == 2
+    assert "| trace | 200 ± 318 | 2/3 |" in text  # 2 seeds: s = 35.36, t_{0.975,1} = 12.706: 12.706 * 35.36 / sqrt(2)
+    # the audit: mean over steps then seeds; only trace logged it
+    assert "## Allocation audit" in text
+    assert "| trace | 5.00 ± 0.00 | 3.50 ± 0.00 | 1.00 ± 0.00 | 2.00 ± 0.00 |" in text
+
+
+def test_without_audit_keys_the_report_says_nothing_of_the_audit(tmp_path: Path):
+    results = {"grpo": THREE_SEEDS["grpo"]}
+    assert "audit" not in render_markdown(results, {}, 2).lower()
+    (tmp_path / AUDIT_PLOT).write_bytes(b"stale")
+    paths = write_plots(results, tmp_path)
+    assert [p.name for p in paths] == list(PLOTS) and not (tmp_path / AUDIT_PLOT).exists()
 
 
 def test_the_report_columns_are_named_by_the_tracking_table():
@@ -48,16 +134,23 @@ def test_the_report_columns_are_named_by_the_tracking_table():
         "arm/sec_step"]
 
 
-def test_write_plots_writes_every_plot_the_report_names(tmp_path: Path):
-    history = {"effective_ratio": [(0, 0.5), (1, 0.6)], "reward/mean": [(0, 0.1)], "tokens/generated": [(0, 9.0)],
-               "accuracy/eval": [(1, 0.3)], "tokens/cumulative": [(0, 9.0), (1, 20.0)]}
-    results = {"grpo": {**RESULTS["grpo"], "history": history}}
-    paths = write_plots(results, tmp_path)
-    assert [p.name for p in paths] == list(PLOTS) and all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(PLOTS)
+def test_write_plots_writes_every_plot_with_bands_and_the_audit_when_logged(tmp_path: Path):
+    paths = write_plots(THREE_SEEDS, tmp_path)
+    assert [p.name for p in paths] == [*PLOTS, AUDIT_PLOT]
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)
+    assert "accuracy_vs_tokens.png" in PLOTS and "accuracy_vs_trajectories.png" in PLOTS
+    one = write_plots({"grpo": {0: THREE_SEEDS["grpo"][0]}}, tmp_path)  # one seed: no band, still drawn
+    assert all(p.stat().st_size > 1000 for p in one)
 
 
-def test_metrics_table_puts_evaluate_metrics_under_eval():
-    table = metrics_table(RESULTS)
-    assert table["grpo"]["arm/eff_ratio"] == 0.6 and table["grpo"]["eval/accuracy/pass_at_2"] == 0.5
-    assert table["tree_random"] == {}
+def test_metrics_table_keeps_each_seed_and_the_statistics_as_json():
+    table = json.loads(json.dumps(metrics_table(THREE_SEEDS, 2)))  # strict JSON: no NaN
+    assert table["trace"]["s1"]["eval/accuracy/greedy"] == 0.42
+    assert table["trace"]["mean"]["eval greedy"]["n"] == 3
+    assert table["trace"]["vs_grpo"]["eval greedy"]["real"] is True
+    assert table["trace"]["vs_grpo"]["effective ratio"]["real"] is False
+    assert "vs_grpo" not in table["grpo"] and table["grpo"]["mean"]["eval pass@k"]["mean"] is None
+    assert table["trace"]["tokens_to_grpo_final"]["mean"] == pytest.approx(200.0)
+    one = metrics_table(ONE_SEED, 2)
+    assert one["grpo"]["s0"]["arm/eff_ratio"] == 0.6 and one["tree_random"]["s0"] == {}
+    assert one["trace"]["vs_grpo"]["eval greedy"]["low"] is None

@@ -34,8 +34,8 @@ def test_the_params_check_stage_tracks_every_param():
 def test_params_a_stage_need_not_list_are_those_the_params_hash_ignores():
     cfg = load_config(TINY)
     changed = load_config(TINY, overrides={"train.ablations": ["grpo"], "train.steps_per_task": 7,
-                                           "tracking.experiment_name": "other"})
-    assert NON_RESULT_PARAMS == ("train.ablations", "train.steps_per_task", "tracking")
+                                           "tracking.experiment_name": "other", "train.seeds": [0, 4]})
+    assert NON_RESULT_PARAMS == ("train.ablations", "train.seeds", "train.steps_per_task", "tracking")
     assert changed.params_hash() == cfg.params_hash()
 
 
@@ -88,14 +88,28 @@ def test_stage_params_holds_the_table_values_nested_like_params_yaml():
     assert params["update"] == {"weight_decay": 0.0, "micro_batch_size": 16, "max_grad_norm": 1.0,
                                 "zero_stage": 0, "bf16": False, "offload_optimizer": False}
     assert params["policy"]["hidden_size"] == 32 and params["seed"] == 0
-    assert stage_params(cfg, "report")["train"] == {"ablations": ["grpo", "dapo", "trace"]}
+    assert stage_params(cfg, "report")["train"] == {"ablations": ["grpo", "dapo", "trace"], "seeds": [0]}
     with pytest.raises(KeyError, match="stages with a params table"):
         stage_params(cfg, "train@grpo")
 
 
-def test_stage_deps_substitute_the_item():
-    deps = stage_deps(ROOT / "dvc.yaml", "evaluate", "trace")
-    assert "data/runs/trace" in deps and "flows/evaluate.py" in deps
+def test_stage_deps_substitute_the_matrix_item(tmp_path):
+    deps = stage_deps(ROOT / "dvc.yaml", "evaluate", {"ablation": "trace", "seed": 2})
+    assert "data/runs/trace/s2" in deps and "flows/evaluate.py" in deps
+    assert "data/runs/${item.ablation}/s${item.seed}" in stage_deps(ROOT / "dvc.yaml", "evaluate")
+    (tmp_path / "dvc.yaml").write_text("stages:\n  a:\n    foreach: [x]\n    do:\n      cmd: c\n"
+                                       "      deps: ['data/${item}']\n")
+    assert stage_deps(tmp_path / "dvc.yaml", "a", "x") == ["data/x"]  # a foreach stage's item
+
+
+def test_train_and_evaluate_run_over_every_arm_and_training_seed():
+    import yaml
+
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    for name in ("train", "evaluate"):
+        assert stages[name]["matrix"] == {"ablation": "${train.ablations}", "seed": "${train.seeds}"}
+        assert "--ablation ${item.ablation} --seed ${item.seed}" in stages[name]["cmd"]
+    assert stages["train"]["outs"] == ["data/runs/${item.ablation}/s${item.seed}"]
 
 
 def test_deps_digest_follows_contents_and_ignores_bytecode(tmp_path):

@@ -13,7 +13,7 @@ import json
 from enum import Enum
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from trace.allocation.arms import ARMS, get_arm, root_budget_for
 from trace.allocation.registry import get_root_rule
@@ -192,6 +192,9 @@ class AllocationConfig(_Section):
     expansion_ratio: float = Field(1.0, ge=0, description="N: continuations per root rollout (stage 2)")
     rounds: int = Field(1, ge=1, description="stage 2 rounds (paper: 1)")
     exact_max_cells: int = Field(2_000_000, ge=1, description="use the exact DP when B*M*(m_max-m_min+1) <= this")
+    root_objective: Literal["groups", "leaves"] = Field(
+        "groups", description="stage 1 of trace/trace_root maximises expected mixed groups sum A(p,m) (groups, "
+        "the paper's) or expected root leaves in them sum m A(p,m) (leaves); docs/method.md#root-allocation")
     dapo_max_retries: int = Field(4, ge=0, description="dapo: extra sampling rounds before giving up")
     treepo_width: int = Field(2, ge=1, description="treepo: branches added at each turn depth")
 
@@ -243,8 +246,22 @@ class TrainConfig(_Section):
     steps_per_task: int = Field(10, ge=1, description="training steps per Prefect task (orchestration overhead)")
     eval_every: int = Field(20, ge=1, description="greedy accuracy on held-out prompts every N steps (and at the end)")
     eval_prompts: int = Field(100, ge=1, description="held-out prompts for the in-training evaluation")
-    ablations: tuple[str, ...] = Field(tuple(ARMS), description="arms run by train@<ablation> "
+    ablations: tuple[str, ...] = Field(tuple(ARMS), description="arms run by train@<ablation>-<seed> "
                                        "(names of trace.allocation.arms.ARMS)")
+    # exclude: not in params_hash; a train/evaluate run's hash holds its own seed (flows/common.py run_config)
+    seeds: Optional[tuple[int, ...]] = Field(None, exclude=True, description="training seeds: train@/evaluate@ "
+                                             "run once per arm and seed; None = the global seed only")
+
+    @field_validator("seeds")
+    @classmethod
+    def _seeds(cls, v: Any) -> Any:
+        if v is not None and (not v or any(s < 0 for s in v) or len(set(v)) != len(v)):
+            raise ValueError(f"train.seeds must be distinct non-negative integers, got {list(v)}; e.g. [0, 1, 2]")
+        return v
+
+    def run_seeds(self, global_seed: int) -> tuple[int, ...]:
+        """The training seeds: ``seeds``, or ``(global_seed,)`` when unset."""
+        return tuple(self.seeds) if self.seeds is not None else (int(global_seed),)
 
     @field_validator("ablations", mode="before")
     @classmethod
@@ -275,6 +292,9 @@ class TrackingConfig(_Section):
 
 class Config(_Section):
     """The whole ``params.yaml``."""
+
+    # a per-seed run's global seed (``flows.common.run_config``): the shared stages ran at it; in params_hash
+    _shared_seed: Optional[int] = PrivateAttr(None)
 
     seed: int = Field(0, ge=0, description="global seed")
     task: TaskConfig = TaskConfig()
@@ -343,6 +363,8 @@ class Config(_Section):
         data["train"].pop("ablations", None)
         data["train"].pop("steps_per_task", None)
         data.pop("tracking", None)
+        if self._shared_seed is not None and self._shared_seed != self.seed:
+            data["shared_seed"] = self._shared_seed
         blob = json.dumps(data, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 

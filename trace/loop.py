@@ -26,6 +26,7 @@ import numpy as np
 from trace.allocation.arms import get_arm
 from trace.allocation.samplers import PolicySampler
 from trace.allocation.step import allocate_step
+from trace.audit import audit_metrics
 from trace.checkpoint import load_checkpoint, write_checkpoint
 from trace.config import Config
 from trace.envs.base import Environment, Prompt
@@ -159,6 +160,7 @@ class Trainer:
             assign_advantages(trees, self.estimator, eps=cfg.advantages.eps, std_floor=cfg.advantages.std_floor,
                               clip=cfg.advantages.clip)
         metrics.update(rollout_metrics(all_for_metrics, num_candidates=len(candidates)))
+        metrics.update(audit_metrics(result))
         if result.is_filtered:
             # only kept groups carry gradient signal
             metrics.update({k: v for k, v in rollout_metrics(trees, len(candidates)).items()

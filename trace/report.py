@@ -1,78 +1,103 @@
-"""The ablation report, read from MLflow so the report and the MLflow UI agree.
+"""The ablation report over arms and training seeds, read from MLflow so the report and the MLflow UI agree.
 
-``collect_results`` reads, per arm, the newest finished train run (its per-step metric histories and its
+``collect_results`` reads, per arm and seed, the newest finished train run (its per-step metric histories and
 run-level ``arm/*`` results, named by ``trace.tracking.names.SUMMARY_METRIC_NAMES``) and evaluate run (its
-held-out metrics). ``render_markdown`` ranks the arms by held-out greedy accuracy (ties: effective ratio);
-``write_plots`` draws the per-step curves and accuracy against cumulative generated tokens; ``mlflow_links``
-points at the same runs in the MLflow UI. The same MLflow data gives the same bytes.
+held-out metrics). ``arm_statistics`` gives per arm the mean over seeds and its 95 % t-interval of every
+table column, the paired differences against ``grpo`` (same seed = a pair) and the generated tokens each arm
+needs to reach ``grpo``'s final in-training accuracy (``trace.statistics``, docs/method.md "Statistics over
+seeds"). ``render_markdown`` ranks the arms by mean held-out greedy accuracy (ties: effective ratio) and
+says in words which differences are real (the interval excludes 0) and which are within noise;
+``trace.report_plots.write_plots`` draws the curves with their bands. The same MLflow data gives the same
+bytes.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Sequence
+import math
+from typing import Mapping, Sequence
 
-from trace.tracking.experiment import compare_url, experiment_url, resolve_tracking_uri
+from trace.statistics import Interval, mean_interval, paired_difference, tokens_to_target
 from trace.tracking.names import GREEDY_ACCURACY, SUMMARY_METRIC_NAMES, metric_key, pass_at_k_name
 from trace.tracking.runs import finished_runs
 
+BASELINE = "grpo"  # the arm every other arm is paired against
+CONFIDENCE = 0.95
+# the allocation audit's per-step keys (logged by train runs that audit their forecasts)
+AUDIT_KEYS = ("audit/expected_mixed_groups", "audit/mixed_groups", "audit/expected_flips", "audit/flips",
+              "audit/groups", "audit/anchors")
 # per-step metrics of a train run read for the plots
 STEP_KEYS = ("effective_ratio", "effective_token_ratio", "reward/mean", "tokens/generated", "accuracy/eval",
-             "tokens/cumulative", "active_prompt_ratio", "predictor/brier")
-# summary.md columns after the two held-out accuracies: the training-summary keys whose run-level metric
+             "tokens/cumulative", "rollout/cumulative_trajectories", "active_prompt_ratio", "predictor/brier",
+             *AUDIT_KEYS)
+# summary.md columns after the held-out accuracies: the training-summary keys whose run-level metric
 # (``SUMMARY_METRIC_NAMES``) each shows
 TABLE_SUMMARY_KEYS = ("mean/effective_ratio", "mean/effective_token_ratio", "mean/active_prompt_ratio",
                       "mean/reward/mean", "tokens/cumulative", "mean/rollout/trajectories", "mean/time/step")
-# plot file -> (step metric, y label, x metric or None for the training step)
-PLOTS: dict[str, tuple[str, str, str | None]] = {
-    "effective_ratio.png": ("effective_ratio", "effective ratio", None),
-    "reward.png": ("reward/mean", "mean train reward", None),
-    "tokens.png": ("tokens/generated", "generated tokens per step", None),
-    "accuracy_vs_tokens.png": ("accuracy/eval", "held-out greedy accuracy", "tokens/cumulative"),
-}
+# the columns whose differences against grpo the report states: (column, words)
+PAIRED_COLUMNS = (("eval greedy", "held-out greedy accuracy"), ("eval mean@k", "held-out sampled accuracy"),
+                  ("effective ratio", "effective ratio"), ("effective token ratio", "effective token ratio"),
+                  ("generated tokens", "generated tokens"))
 
 
 def collect_results(tracking_uri: str | None, experiment_name: str, ablations: Sequence[str],
-                    train_params_hash: str, eval_params_hash: str) -> dict:
-    """Per arm: the train run's metric histories and run-level results (``arm/*``), and the evaluate run's
-    metrics, with both run ids and the experiment id.
+                    hashes: Mapping[int, tuple[str, str]]) -> dict:
+    """Per arm and seed: the train run's metric histories and run-level results (``arm/*``), and the
+    evaluate run's metrics, with both run ids and the experiment id.
+
+    A run belongs to seed ``s`` when its ``trace.params_hash`` tag is that seed's hash (a run config's hash
+    holds its seed, ``flows.common.run_config``).
 
     Args:
         tracking_uri: MLflow URI or None (``trace.tracking.experiment.resolve_tracking_uri``).
         experiment_name: the MLflow experiment.
-        ablations: the arms to report (``train.ablations`` values); other arms' runs are ignored.
-        train_params_hash: ``trace.run_key`` params hash of the train runs (the config's resume hash).
-        eval_params_hash: params hash of the evaluate runs (the config's params hash).
+        ablations: the arms to report (``train.ablations``); other arms' runs are ignored.
+        hashes: seed -> (resume hash of its train runs, params hash of its evaluate runs).
 
     Returns:
-        ``{ablation: {"run_id", "experiment_id", "history": {key: [(step, value), ...]}, "summary": {arm/*},
-        "eval": {...}, "eval_run_id"}}`` in the order the train runs are found; ``eval`` and
-        ``eval_run_id`` only where an evaluate run exists.
+        ``{ablation: {seed: {"run_id", "experiment_id", "history": {key: [(step, value), ...]},
+        "summary": {arm/*}, "eval": {...}, "eval_run_id"}}}``, arms in ``ablations`` order, seeds sorted;
+        an arm without any train run is absent, ``eval`` and ``eval_run_id`` only where an evaluate run
+        exists.
     """
     from mlflow.tracking import MlflowClient
 
+    from trace.tracking.experiment import resolve_tracking_uri
+
     client = MlflowClient(resolve_tracking_uri(tracking_uri))
-    wanted = list(ablations)
-    out: dict = {}
-    for run in finished_runs(tracking_uri, experiment_name, "train"):
-        abl = run.data.tags.get("trace.ablation")
-        if abl not in wanted or run.data.tags.get("trace.params_hash") != train_params_hash:
+    train_seed = {h[0]: seed for seed, h in hashes.items()}
+    eval_seed = {h[1]: seed for seed, h in hashes.items()}
+    key_tags = ("trace.ablation", "trace.params_hash")
+    found: dict = {}
+    for run in finished_runs(tracking_uri, experiment_name, "train", key_tags):
+        abl, seed = run.data.tags.get("trace.ablation"), train_seed.get(run.data.tags.get("trace.params_hash"))
+        if abl not in ablations or seed is None:
             continue
         hist = {k: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, k)) for k in STEP_KEYS}
-        out[abl] = {"run_id": run.info.run_id, "experiment_id": run.info.experiment_id, "history": hist,
-                    "summary": {k: v for k, v in run.data.metrics.items() if k.startswith("arm/")}}
-    for run in finished_runs(tracking_uri, experiment_name, "evaluate"):
-        abl = run.data.tags.get("trace.ablation")
-        if abl in out and run.data.tags.get("trace.params_hash") == eval_params_hash:
-            out[abl]["eval"] = {k: v for k, v in run.data.metrics.items() if not k.startswith("arm/")}
-            out[abl]["eval_run_id"] = run.info.run_id
-    return out
+        found.setdefault(abl, {})[seed] = {
+            "run_id": run.info.run_id, "experiment_id": run.info.experiment_id, "history": hist,
+            "summary": {k: v for k, v in run.data.metrics.items() if k.startswith("arm/")}}
+    for run in finished_runs(tracking_uri, experiment_name, "evaluate", key_tags):
+        abl, seed = run.data.tags.get("trace.ablation"), eval_seed.get(run.data.tags.get("trace.params_hash"))
+        if seed is not None and seed in found.get(abl, {}):
+            found[abl][seed]["eval"] = {k: v for k, v in run.data.metrics.items() if not k.startswith("arm/")}
+            found[abl][seed]["eval_run_id"] = run.info.run_id
+    return {abl: dict(sorted(found[abl].items())) for abl in ablations if abl in found}
+
+
+def seeds_of(results: dict) -> list[int]:
+    """Every seed any arm of ``results`` has, sorted."""
+    return sorted({seed for by_seed in results.values() for seed in by_seed})
+
+
+def first_runs(results: dict) -> dict:
+    """Per arm its lowest seed's run (``{ablation: run result}``), e.g. for the MLflow links."""
+    return {abl: next(iter(by_seed.values())) for abl, by_seed in results.items() if by_seed}
 
 
 def mlflow_links(results: dict, base_url: str, view_key: str | None = None) -> dict[str, str]:
     """Links into the MLflow UI: the experiment's runs table (in the shared view ``view_key``, e.g. the arms'
-    results of ``trace.tracking.experiment.share_arms_view``) and the compare view of the arms' evaluate
-    runs (of their train runs where an arm has no evaluate run).
+    results of ``trace.tracking.experiment.share_arms_view``) and the compare view of the evaluate runs of
+    every arm and seed (of the train runs where an evaluate run is missing).
 
     Args:
         results: ``collect_results`` output.
@@ -82,106 +107,241 @@ def mlflow_links(results: dict, base_url: str, view_key: str | None = None) -> d
     Returns:
         ``{"runs": url, "compare": url}``; empty without results.
     """
-    if not results:
+    from trace.tracking.experiment import compare_url, experiment_url
+
+    runs = [res for by_seed in results.values() for res in by_seed.values()]
+    if not runs:
         return {}
-    experiment_id = next(iter(results.values()))["experiment_id"]
-    run_ids = [res.get("eval_run_id") or res["run_id"] for res in results.values()]
+    experiment_id = runs[0]["experiment_id"]
+    run_ids = [res.get("eval_run_id") or res["run_id"] for res in runs]
     return {"runs": experiment_url(base_url, experiment_id, view_key),
             "compare": compare_url(base_url, experiment_id, run_ids)}
 
 
-def plot_history(results: dict, key: str, ylabel: str, path: str | Path, x_key: str | None = None) -> None:
-    """One PNG of step metric ``key`` per arm: against the training step, or against step metric ``x_key``
-    (points at the steps that logged both).
+def _column_values(res: dict, pass_k: int) -> dict[str, float]:
+    """One run's value of every table column (NaN where the run lacks it)."""
+    nan = float("nan")
+    e, s = res.get("eval", {}), res["summary"]
+    values = {"eval greedy": e.get(GREEDY_ACCURACY, nan),
+              "eval mean@k": e.get(metric_key(f"accuracy/mean@{int(pass_k)}"), nan),
+              "eval pass@k": e.get(metric_key(pass_at_k_name(pass_k)), nan)}
+    names = ("effective ratio", "effective token ratio", "active prompts", "train reward", "generated tokens",
+             "trajectories/step", "s/step")
+    values.update({name: s.get(SUMMARY_METRIC_NAMES[key], nan) for name, key in zip(names, TABLE_SUMMARY_KEYS)})
+    return values
+
+
+def final_accuracy(res: dict) -> float:
+    """The run's last in-training held-out accuracy (``accuracy/eval``), NaN without one."""
+    points = res["history"].get("accuracy/eval") or []
+    return float(points[-1][1]) if points else float("nan")
+
+
+def accuracy_curve(res: dict, x_key: str) -> tuple[list[float], list[float]]:
+    """``(xs, accuracies)`` of a run: ``accuracy/eval`` at the steps that also logged ``x_key``."""
+    xs_by_step = dict(res["history"].get(x_key) or [])
+    pts = [(xs_by_step[s], v) for s, v in res["history"].get("accuracy/eval") or [] if s in xs_by_step]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def arm_statistics(results: dict, pass_k: int, confidence: float = CONFIDENCE) -> dict:
+    """Per arm: means and intervals over seeds, paired differences against ``grpo``, tokens to grpo's final
+    accuracy, and the audit means.
 
     Args:
         results: ``collect_results`` output.
-        key: the plotted step metric (one of ``STEP_KEYS``).
-        ylabel: the y-axis label.
-        path: the PNG written (110 dpi).
-        x_key: the x-axis step metric, or None for the training step.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for abl, res in results.items():
-        ys = res["history"].get(key) or []
-        if not ys:
-            continue
-        if x_key:
-            xs_by_step = dict(res["history"].get(x_key) or [])
-            pts = [(xs_by_step[s], v) for s, v in ys if s in xs_by_step]
-            if not pts:
-                continue
-            ax.plot(*zip(*pts), marker="o", ms=3, label=abl)
-        else:
-            ax.plot(*zip(*ys), label=abl, lw=1.2)
-    ax.set_xlabel("cumulative generated tokens" if x_key else "training step")
-    ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def write_plots(results: dict, folder: str | Path) -> list[Path]:
-    """Every plot of ``PLOTS`` into ``folder`` (which must exist), in the table's order.
+        pass_k: ``evaluate.pass_k`` (names the sampled-accuracy columns).
+        confidence: interval coverage.
 
     Returns:
-        The PNG paths written.
+        ``{"target": Interval of grpo's final accuracy or None, "arms": {ablation: {"seeds": [..],
+        "columns": {column: Interval}, "vs_grpo": {column: Interval} (absent for grpo and without grpo),
+        "tokens_to_target": Interval over the seeds that reach it or None, "reached": int,
+        "audit": {key: Interval of per-step means} (only keys some seed logged)}}}``.
+
+    References:
+        docs/method.md, "Statistics over seeds".
     """
-    paths = []
-    for name, (key, ylabel, x_key) in PLOTS.items():
-        path = Path(folder) / name
-        plot_history(results, key, ylabel, path, x_key=x_key)
-        paths.append(path)
-    return paths
+    per_seed = {abl: {seed: _column_values(res, pass_k) for seed, res in by_seed.items()}
+                for abl, by_seed in results.items()}
+    base = per_seed.get(BASELINE)
+    target = None
+    if BASELINE in results:
+        target = mean_interval([final_accuracy(r) for r in results[BASELINE].values()], confidence)
+        target = target if target.n else None
+    arms: dict = {}
+    for abl, by_seed in per_seed.items():
+        columns = {c: mean_interval([v[c] for v in by_seed.values()], confidence)
+                   for c in next(iter(by_seed.values()))}
+        entry = {"seeds": list(by_seed), "columns": columns}
+        if base is not None and abl != BASELINE:
+            entry["vs_grpo"] = {c: paired_difference({s: v[c] for s, v in by_seed.items()},
+                                                     {s: v[c] for s, v in base.items()}, confidence)
+                                for c, _ in PAIRED_COLUMNS}
+        reached = []
+        if target is not None:
+            for res in results[abl].values():
+                hit = tokens_to_target(*accuracy_curve(res, "tokens/cumulative"), target.mean)
+                if hit is not None:
+                    reached.append(hit)
+        entry["tokens_to_target"] = mean_interval(reached, confidence) if reached else None
+        entry["reached"] = len(reached)
+        audit = {}
+        for key in AUDIT_KEYS:
+            means = [sum(v for _, v in pts) / len(pts) for res in results[abl].values()
+                     if (pts := res["history"].get(key))]
+            if means:
+                audit[key] = mean_interval(means, confidence)
+        entry["audit"] = audit
+        arms[abl] = entry
+    return {"target": target, "arms": arms}
 
 
-def render_markdown(results: dict, warmup: dict, pass_k: int, links: dict[str, str] | None = None) -> str:
-    """``reports/summary.md``: the arms ranked by held-out greedy accuracy, then the MLflow ``links``.
+def _num(value: float, digits: int, sign: bool = False) -> str:
+    if not math.isfinite(value):
+        return "nan"
+    text = f"{value:{'+' if sign else ''},.{digits}f}"
+    return text
+
+
+def _digits(column: str) -> int:
+    return 0 if column in ("generated tokens", "trajectories/step") else 2 if column == "s/step" else 3
+
+
+def format_interval(iv: Interval, digits: int, sign: bool = False, brackets: bool = False) -> str:
+    """``mean ± half`` (or ``mean [low, high]`` with ``brackets``); the mean alone without an interval."""
+    if not iv.has_interval:
+        return _num(iv.mean, digits, sign)
+    if brackets:
+        return f"{_num(iv.mean, digits, sign)} [{_num(iv.low, digits, sign)}, {_num(iv.high, digits, sign)}]"
+    return f"{_num(iv.mean, digits, sign)} ± {_num(iv.half_width, digits)}"
+
+
+def verdict(iv: Interval) -> str:
+    """``real``, ``within noise``, ``one seed, no interval`` or ``no value`` for a paired difference."""
+    if iv.n == 0:
+        return "no value"
+    if not iv.has_interval:
+        return "one seed, no interval"
+    return "real" if iv.excludes_zero else "within noise"
+
+
+def _seeds_line(seeds: list[int], confidence: float) -> str:
+    if len(seeds) == 1:
+        return (f"Seed {seeds[0]} only: one seed, no interval (run more with "
+                "`dvc exp run -S 'train.seeds=[0,1,2]'`).")
+    return (f"Seeds {', '.join(map(str, seeds))} ({len(seeds)} runs per arm): a value is the mean over seeds "
+            f"± the half-width of its {confidence:.0%} t-interval.")
+
+
+def render_markdown(results: dict, warmup: dict, pass_k: int, links: dict[str, str] | None = None,
+                    plots: Sequence[str] = (), confidence: float = CONFIDENCE) -> str:
+    """``reports/summary.md``: the arms ranked by mean held-out greedy accuracy, the paired differences
+    against ``grpo`` in words, tokens to grpo's final accuracy, the audit means, then the MLflow ``links``.
 
     Args:
         results: ``collect_results`` output.
         warmup: the warmup stage's metrics (``accuracy/greedy`` is the baseline shown), or ``{}``.
-        pass_k: ``evaluate.pass_k``; the pass@k column reads the evaluate run's ``accuracy/pass_at_<k>``.
+        pass_k: ``evaluate.pass_k``; the sampled columns read ``accuracy/mean_at_<k>`` and ``pass_at_<k>``.
         links: ``mlflow_links`` output, or None to leave the links out.
+        plots: the PNG names written (``trace.report_plots.write_plots``), listed under the table.
+        confidence: interval coverage.
 
     Returns:
         The markdown text; a missing value shows as ``nan``.
     """
-    nan = float("nan")
-    pass_key = metric_key(pass_at_k_name(pass_k))
-    summary_names = [SUMMARY_METRIC_NAMES[k] for k in TABLE_SUMMARY_KEYS]
-    rows = []
-    for abl, res in results.items():
-        s, e = res["summary"], res.get("eval", {})
-        rows.append((abl, e.get(GREEDY_ACCURACY, nan), e.get(pass_key, nan), *(s.get(n, nan) for n in summary_names)))
-    rows.sort(key=lambda r: (-(r[1] if r[1] == r[1] else -1), -(r[3] if r[3] == r[3] else -1)))
+    stats = arm_statistics(results, pass_k, confidence)
+    arms = stats["arms"]
+    order = sorted(arms, key=lambda a: tuple(-(x if math.isfinite(x) else -1.0) for x in (
+        arms[a]["columns"]["eval greedy"].mean, arms[a]["columns"]["effective ratio"].mean)))
+    columns = list(next(iter(arms.values()))["columns"]) if arms else []
     base = warmup.get(GREEDY_ACCURACY)
     lines = ["# Ablation report", "",
-             f"Held-out greedy accuracy after warmup: **{base:.3f}**" if base is not None else "",
-             "", "Ranked by held-out greedy accuracy after RL (ties: effective ratio). Means are over training steps;",
-             "every arm samples the same number of trajectories per step.", "",
-             f"| rank | ablation | eval greedy | eval pass@{pass_k} | effective ratio | effective token ratio | "
-             "active prompts | train reward | generated tokens | trajectories/step | s/step |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for i, r in enumerate(rows, 1):
-        lines.append(f"| {i} | {r[0]} | {r[1]:.3f} | {r[2]:.3f} | {r[3]:.3f} | {r[4]:.3f} | {r[5]:.3f} | {r[6]:.3f} | "
-                     f"{r[7]:,.0f} | {r[8]:.0f} | {r[9]:.2f} |")
-    lines += ["", "Plots: " + ", ".join(f"`{name}`" for name in PLOTS) + ".", ""]
+             f"Held-out greedy accuracy after warmup: **{base:.3f}**" if base is not None else "", "",
+             _seeds_line(seeds_of(results), confidence) if results else "No runs.", "",
+             "Ranked by mean held-out greedy accuracy after RL (ties: effective ratio). Training columns are "
+             "means over steps;", "every arm samples the same number of trajectories per step.", "",
+             f"| rank | ablation | eval greedy | eval mean@{pass_k} | eval pass@{pass_k} | effective ratio | "
+             "effective token ratio | active prompts | train reward | generated tokens | trajectories/step | "
+             "s/step |", "|---:|---|" + "---:|" * len(columns or range(10))]
+    for i, abl in enumerate(order, 1):
+        cells = [format_interval(arms[abl]["columns"][c], _digits(c)) for c in columns]
+        lines.append(f"| {i} | {abl} | " + " | ".join(cells) + " |")
+    paired = [a for a in order if "vs_grpo" in arms[a]]
+    if paired:
+        lines += ["", f"## Against {BASELINE}", "",
+                  f"Paired differences (arm minus {BASELINE} at the same seed), mean and {confidence:.0%} "
+                  "t-interval; a difference is real only when its interval excludes 0.", "",
+                  "| ablation | " + " | ".join(f"Δ {c.replace('@k', f'@{pass_k}')}" for c, _ in PAIRED_COLUMNS)
+                  + " |",
+                  "|---|" + "---:|" * len(PAIRED_COLUMNS)]
+        for abl in paired:
+            d = arms[abl]["vs_grpo"]
+            lines.append(f"| {abl} | " + " | ".join(format_interval(d[c], _digits(c), True, True)
+                                                    for c, _ in PAIRED_COLUMNS) + " |")
+        lines.append("")
+        for abl in paired:
+            d = arms[abl]["vs_grpo"]
+            parts = [f"{words} {format_interval(d[c], _digits(c), True, True)} ({verdict(d[c])})"
+                     for c, words in PAIRED_COLUMNS]
+            lines.append(f"- {abl} against {BASELINE}: " + "; ".join(parts) + ".")
+    target = stats["target"]
+    if target is not None:
+        lines += ["", "## Sample efficiency", "",
+                  f"Generated tokens to reach {BASELINE}'s final in-training held-out accuracy "
+                  f"({format_interval(target, 3)}, mean over seeds of its last `accuracy/eval`): per seed the "
+                  "first crossing of accuracy against cumulative generated tokens, linearly interpolated; mean "
+                  "over the seeds that reach it.", "",
+                  f"| ablation | tokens to {_num(target.mean, 3)} | seeds reaching |", "|---|---:|---:|"]
+        for abl in order:
+            hit = arms[abl]["tokens_to_target"]
+            shown = format_interval(hit, 0) if hit is not None else "not reached"
+            lines.append(f"| {abl} | {shown} | {arms[abl]['reached']}/{len(arms[abl]['seeds'])} |")
+    audited = [a for a in order if arms[a]["audit"]]
+    if audited:
+        keys = AUDIT_KEYS[:4]
+        lines += ["", "## Allocation audit", "",
+                  "Forecast against realised, per step (mean over steps, then over seeds).", "",
+                  "| ablation | expected mixed groups | mixed groups | expected flips | flips |",
+                  "|---|---:|---:|---:|---:|"]
+        for abl in audited:
+            au = arms[abl]["audit"]
+            lines.append(f"| {abl} | " + " | ".join(format_interval(au[k], 2) if k in au else "nan" for k in keys)
+                         + " |")
+    lines += [""]
+    if plots:
+        lines += ["Plots: " + ", ".join(f"`{name}`" for name in plots) + ".", ""]
     if links:
         lines += [f"MLflow (`make ui`): [the arms' results]({links['runs']}) (`arm/acc`, `arm/eff_ratio`, ...), "
                   f"[compare the arms]({links['compare']}).", ""]
     return "\n".join(lines)
 
 
-def metrics_table(results: dict) -> dict[str, dict[str, float]]:
-    """``reports/metrics.json``'s ablations: per arm its ``arm/*`` results and its evaluate metrics under
-    ``eval/``."""
-    return {abl: {**res["summary"], **{f"eval/{k}": v for k, v in res.get("eval", {}).items()}}
-            for abl, res in results.items()}
+def _json_interval(iv: Interval | None) -> dict | None:
+    if iv is None:
+        return None
+
+    def clean(x: float) -> float | None:
+        return float(x) if math.isfinite(x) else None
+
+    return {"mean": clean(iv.mean), "low": clean(iv.low), "high": clean(iv.high), "n": iv.n}
+
+
+def metrics_table(results: dict, pass_k: int, confidence: float = CONFIDENCE) -> dict[str, dict]:
+    """``reports/metrics.json``'s ablations: per arm, per seed (``s<seed>``) its ``arm/*`` results and its
+    evaluate metrics under ``eval/``, and the statistics of ``arm_statistics`` (intervals as
+    ``{"mean", "low", "high", "n"}``, undefined bounds as null; a paired difference with ``real``)."""
+    stats = arm_statistics(results, pass_k, confidence)["arms"]
+    out: dict[str, dict] = {}
+    for abl, by_seed in results.items():
+        st = stats[abl]
+        entry: dict = {f"s{seed}": {**res["summary"], **{f"eval/{k}": v for k, v in res.get("eval", {}).items()}}
+                       for seed, res in by_seed.items()}
+        entry["mean"] = {c: _json_interval(iv) for c, iv in st["columns"].items()}
+        if "vs_grpo" in st:
+            entry["vs_grpo"] = {c: {**_json_interval(iv), "real": iv.excludes_zero} for c, iv in st["vs_grpo"].items()}
+        entry["tokens_to_grpo_final"] = _json_interval(st["tokens_to_target"])
+        if st["audit"]:
+            entry["audit"] = {k: _json_interval(iv) for k, iv in st["audit"].items()}
+        out[abl] = entry
+    return out

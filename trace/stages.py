@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Iterable, Iterator, Mapping
 
 # Params that decide where or how a stage runs, never what it computes: a stage may read them without
-# listing them (the keys Config.params_hash leaves out). train.ablations: which arms exist (each arm is
-# its own train@ stage); train.steps_per_task: training steps per Prefect task; tracking: where MLflow logs.
-NON_RESULT_PARAMS: tuple[str, ...] = ("train.ablations", "train.steps_per_task", "tracking")
+# listing them (the keys Config.params_hash leaves out). train.ablations and train.seeds: which arms and
+# seeds exist (each (arm, seed) is its own train@ stage, its seed in the command); train.steps_per_task:
+# training steps per Prefect task; tracking: where MLflow logs.
+NON_RESULT_PARAMS: tuple[str, ...] = ("train.ablations", "train.seeds", "train.steps_per_task", "tracking")
 
 _WARMUP_UPDATE_KEYS = ("update.weight_decay", "update.micro_batch_size", "update.max_grad_norm",
                        "update.zero_stage", "update.bf16", "update.offload_optimizer")
@@ -39,7 +40,7 @@ STAGE_PARAMS: dict[str, tuple[str, ...]] = {
     "train": ("seed", "task", "policy", "rollout", "predictor", "allocation", "advantages", "update",
               "train.num_steps", "train.checkpoint_every", "train.eval_every", "train.eval_prompts"),
     "evaluate": ("seed", "task", "policy", "rollout", "evaluate"),
-    "report": ("train.ablations", "evaluate.pass_k", "tracking"),
+    "report": ("seed", "train.ablations", "train.seeds", "evaluate.pass_k", "tracking"),
 }
 
 
@@ -161,8 +162,15 @@ def missing_params(data: Mapping, listed: Mapping[str, list[str]]) -> dict[str, 
     return out
 
 
-def stage_deps(dvc_yaml: str | Path, stage: str, item: str | None = None) -> list[str]:
-    """The ``deps`` paths ``dvc.yaml`` lists for ``stage``, with ``${item}`` replaced by ``item``.
+def stage_deps(dvc_yaml: str | Path, stage: str, item: str | Mapping[str, object] | None = None) -> list[str]:
+    """The ``deps`` paths ``dvc.yaml`` lists for ``stage``, with the stage's item filled in.
+
+    Args:
+        dvc_yaml: path of ``dvc.yaml``.
+        stage: the stage name without ``@...``.
+        item: a ``foreach`` stage's item (replaces ``${item}``), a ``matrix`` stage's item as a mapping
+            (``{"ablation": "trace", "seed": 0}`` replaces ``${item.ablation}`` and ``${item.seed}``), or None
+            to leave the paths as written.
 
     Raises:
         KeyError: ``dvc.yaml`` has no stage ``stage``.
@@ -170,10 +178,18 @@ def stage_deps(dvc_yaml: str | Path, stage: str, item: str | None = None) -> lis
     stages = _dvc_stages(Path(dvc_yaml))
     if stage not in stages:
         raise KeyError(f"{dvc_yaml} has no stage {stage!r}; stages: {sorted(stages)}")
+    if item is None:
+        fill = {}
+    elif isinstance(item, Mapping):
+        fill = {f"${{item.{key}}}": str(value) for key, value in item.items()}
+    else:
+        fill = {"${item}": str(item)}
     deps = []
     for entry in stages[stage].get("deps", []) or []:
         path = entry if isinstance(entry, str) else next(iter(dict(entry)))
-        deps.append(path.replace("${item}", item) if item is not None else path)
+        for placeholder, value in fill.items():
+            path = path.replace(placeholder, value)
+        deps.append(path)
     return deps
 
 

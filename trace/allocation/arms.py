@@ -30,6 +30,7 @@ import numpy as np
 from trace.allocation import dapo, prefix_rules  # noqa: F401  (importing them registers their rules)
 from trace.allocation.registry import ROOT_RULES, Arm, RootDecision, RootRequest, get_prefix_rule, get_root_rule, \
     register_root_rule
+from trace.allocation.objectives import check_root_objective
 from trace.allocation.root import allocate_roots, canonical_order, check_root_budget_feasible
 
 __all__ = [
@@ -115,7 +116,7 @@ def _knapsack_floor(num_candidates: int, root_budget: int, m_min: int,
     return floor, key, root_budget < num_candidates * floor
 
 
-def _solve_stage1(request: RootRequest, floor_fn) -> RootDecision:
+def _solve_stage1(request: RootRequest, floor_fn, root_objective: str) -> RootDecision:
     num_candidates, root_budget = request.num_candidates, request.root_budget
     floor, floor_key, allow_skip = floor_fn(num_candidates, root_budget, request.m_min, request.knapsack_m_min)
     # allocate_roots checks this too; here the error names the key that set the floor
@@ -123,21 +124,24 @@ def _solve_stage1(request: RootRequest, floor_fn) -> RootDecision:
                                m_min_key=floor_key)
     result = allocate_roots(request.pred_success_prob, root_budget, floor, request.m_max,
                             exact_max_cells=request.exact_max_cells, tie_keys=request.tie_keys,
-                            allow_skip=allow_skip)
+                            allow_skip=allow_skip, root_objective=root_objective)
     return RootDecision(result.counts, info=dict(objective=result.objective, upper_bound=result.upper_bound,
-                                                 gap=result.gap, method=result.method, allow_skip=allow_skip))
+                                                 gap=result.gap, method=result.method, allow_skip=allow_skip,
+                                                 root_objective=root_objective))
 
 
 @register_root_rule("trace", floor=_trace_floor)
 def trace_root_rule(request: RootRequest) -> RootDecision:
-    """TRACE stage 1: ``allocate_roots`` with floor ``m_min``, skipping prompts where that gains most."""
-    return _solve_stage1(request, _trace_floor)
+    """TRACE stage 1: ``allocate_roots`` with floor ``m_min``, skipping prompts where that gains most, under
+    ``request.root_objective`` (``groups``: expected mixed groups; ``leaves``: expected leaves in them)."""
+    return _solve_stage1(request, _trace_floor, request.root_objective)
 
 
 @register_root_rule("knapsack", floor=_knapsack_floor)
 def knapsack_root_rule(request: RootRequest) -> RootDecision:
-    """Knapsack-RL: ``allocate_roots`` with every candidate at its floor or above (see ``_knapsack_floor``)."""
-    return _solve_stage1(request, _knapsack_floor)
+    """Knapsack-RL: ``allocate_roots`` with every candidate at its floor or above (see ``_knapsack_floor``),
+    always on Knapsack-RL's objective, the expected number of mixed groups (``groups``)."""
+    return _solve_stage1(request, _knapsack_floor, "groups")
 
 
 # ---- the arms ------------------------------------------------------------------------------------------
@@ -244,7 +248,7 @@ class RootPlan:
 def plan_root_counts(arm: Arm, pred_success_prob, *, trajectory_budget: int, expansion_ratio: float,
                      group_size: int, m_min: int, m_max: int, knapsack_m_min: int | None = None,
                      tie_keys=None, exact_max_cells: int = 2_000_000, max_retries: int = 4,
-                     rng_for=None, sample_groups=None) -> RootPlan:
+                     rng_for=None, sample_groups=None, root_objective: str = "groups") -> RootPlan:
     """Root rollouts per candidate for one step, by the arm's root rule.
 
     Args:
@@ -265,12 +269,15 @@ def plan_root_counts(arm: Arm, pred_success_prob, *, trajectory_budget: int, exp
         rng_for: ``rng_for(purpose) -> Generator`` for rules that draw (``dapo``: ``"dapo"``); the planning
             rules are deterministic given their inputs (candidates arrive in random order already).
         sample_groups: ``sample_groups(candidate_indices, n, salt) -> trees`` for rules that sample (``dapo``).
+        root_objective: the ``trace`` rule's stage-1 objective (``allocation.root_objective``): ``"groups"``
+            (the paper's ``sum_i A(p_i, m_i)``) or ``"leaves"`` (``sum_i m_i A(p_i, m_i)``); the other rules
+            ignore it.
 
     Returns:
         ``RootPlan``; ``counts.sum() + expansion_budget == trajectory_budget`` for the planning rules.
 
     Raises:
-        ValueError: ``dapo`` without a sampler, an unknown rule, or an infeasible budget.
+        ValueError: ``dapo`` without a sampler, an unknown rule or ``root_objective``, or an infeasible budget.
         NoMixedGroupError: ``dapo`` sampled no mixed group.
     """
     p = np.asarray(pred_success_prob, dtype=np.float64)
@@ -280,11 +287,12 @@ def plan_root_counts(arm: Arm, pred_success_prob, *, trajectory_budget: int, exp
     if not 0 <= root_budget <= trajectory_budget:
         raise ValueError(f"allocation.expansion_ratio={expansion_ratio} gives root budget {root_budget} outside "
                          f"[0, {trajectory_budget}]: use expansion_ratio >= 0")
+    check_root_objective(root_objective)
     rule = get_root_rule(arm.root_rule)
     decision = rule.fn(RootRequest(pred_success_prob=p, root_budget=root_budget, trajectory_budget=trajectory_budget,
                                    group_size=group_size, m_min=m_min, m_max=m_max, knapsack_m_min=knapsack_m_min,
                                    tie_keys=tie_keys, exact_max_cells=exact_max_cells, max_retries=max_retries,
-                                   rng_for=rng_for, sample_groups=sample_groups))
+                                   rng_for=rng_for, sample_groups=sample_groups, root_objective=root_objective))
     counts = decision.counts
     info: dict = {"root_budget": root_budget, **decision.info, "active_prompts": int(np.count_nonzero(counts))}
     expansion_budget = (int(trajectory_budget - counts.sum()) if decision.expansion_budget is None

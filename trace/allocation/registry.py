@@ -84,6 +84,8 @@ class RootRequest:
             the caller supplies none (rules that draw then refuse).
         sample_groups: ``sample_groups(candidate_indices, n, salt) -> trees`` for rules that sample while
             they allocate; None for a pure plan.
+        root_objective: the stage-1 objective of the ``trace`` rule, ``"groups"`` or ``"leaves"``
+            (``allocation.root_objective``).
     """
 
     pred_success_prob: np.ndarray
@@ -98,6 +100,7 @@ class RootRequest:
     max_retries: int
     rng_for: Callable[[str], np.random.Generator] | None = None
     sample_groups: GroupSampler | None = None
+    root_objective: str = "groups"
 
     @property
     def num_candidates(self) -> int:

@@ -6,7 +6,9 @@ rollout counts ``m_i`` with ``sum_i m_i = M`` (the root budget, in trajectories)
 
     sum_i A(p_i, m_i),   A(p, m) = 1 - p^m - (1 - p)^m  (m >= 1),   A(p, 0) = 0,
 
-the probability that ``m`` rollouts hold at least one success and one failure.
+the probability that ``m`` rollouts hold at least one success and one failure (``root_objective="groups"``),
+or the expected number of root leaves in mixed groups ``sum_i m_i A(p_i, m_i)`` (``"leaves"``; see
+``trace.allocation.objectives``).
 
 Two solvers, one contract:
 - ``exact``: a dynamic programme over prompts x budget (as Knapsack-RL solves its allocation), vectorised
@@ -19,6 +21,9 @@ Two solvers, one contract:
   reported upper bound. The primal activates the ``k`` prompts ranked first by block price for a few ``k``
   around the relaxation's choice, fills each active set exactly (the inner problem is concave, so greedy by
   increment is optimal) and keeps the best; ``gap = (upper_bound - objective) / upper_bound``.
+  ``m A`` is not concave on ``[m_min, m_max]``, so for ``leaves`` each prompt's envelope is the full upper
+  concave hull of its points and the primal re-solves the prompts nearest ``lambda*`` by the DP
+  (``trace.allocation.table_solvers``); the dual bound holds for any price (weak duality).
 
 Invariants: counts sum to ``M`` exactly and every count is 0 or within ``[m_min, m_max]``. The result is a
 function of the multiset of ``(tie_key, p)`` pairs: prompts are solved in tie-key order and the counts
@@ -35,7 +40,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
+
+from trace.allocation.objectives import _as_probs, activation_increment, activation_prob, check_root_objective, \
+    objective_table, objective_value
+from trace.allocation.table_solvers import dual_value, solve_envelope, solve_exact_dp
 
 __all__ = [
     "RootAllocation",
@@ -53,10 +61,12 @@ class RootAllocation:
 
     Attributes:
         counts: (B,) int64 rollouts per candidate prompt, in input order; 0 means skipped.
-        objective: ``sum_i A(p_i, m_i)``, expected number of activated groups.
+        objective: ``sum_i A(p_i, m_i)``, expected number of activated groups (``root_objective`` groups),
+            or ``sum_i m_i A(p_i, m_i)``, expected root leaves in mixed groups (leaves).
         upper_bound: a certified upper bound on the optimum (equal to ``objective`` when exact).
         gap: relative optimality gap ``(upper_bound - objective) / upper_bound``; 0 when exact.
         method: ``"exact"`` (DP or a concave greedy that is exact) or ``"lagrangian"``.
+        root_objective: the objective solved, ``"groups"`` or ``"leaves"``.
     """
 
     counts: np.ndarray
@@ -64,68 +74,7 @@ class RootAllocation:
     upper_bound: float
     gap: float
     method: str
-
-
-# ---- the objective ------------------------------------------------------------------------------------
-def _as_probs(pred_success_prob, name: str) -> np.ndarray:
-    p = np.asarray(pred_success_prob, dtype=np.float64)
-    if not np.all(np.isfinite(p)) or np.any(p < 0.0) or np.any(p > 1.0):
-        bad = p[~(np.isfinite(p) & (p >= 0.0) & (p <= 1.0))]
-        raise ValueError(f"{name} must be finite probabilities in [0, 1]; got {bad[:5].tolist()} "
-                         "(clip the predictor's output to [0, 1])")
-    return p
-
-
-def activation_prob(pred_success_prob, num_rollouts):
-    """Probability that ``m`` independent rollouts hold both a success and a failure.
-
-    Args:
-        pred_success_prob: float or array, success probability ``p`` in [0, 1].
-        num_rollouts: int or int array ``m >= 0`` (broadcast against ``p``).
-
-    Returns:
-        float64 array (or scalar) ``A(p, m) = 1 - p^m - (1 - p)^m`` for ``m >= 2``; exactly 0 for
-        ``m in {0, 1}`` (``0**0 == 1`` in floating point would otherwise give ``A(p, 0) = -1``).
-        ``1 - (1 - p)^m`` is computed as ``-expm1(m * log1p(-p))`` to keep precision for small ``p``.
-
-    Raises:
-        ValueError: ``p`` outside [0, 1] or not finite, or ``m`` negative or not integral.
-
-    References:
-        TRACE (arXiv 2606.11119), stage 1: ``A(p, m)``, the activation probability of a group of ``m``.
-    """
-    p = _as_probs(pred_success_prob, "pred_success_prob")
-    m = np.asarray(num_rollouts)
-    if m.dtype.kind not in "iu":
-        if not np.all(np.isfinite(m)) or np.any(m != np.round(m)):
-            raise ValueError(f"num_rollouts must be integers, got {np.ravel(m)[:5].tolist()}")
-    if np.any(m < 0):
-        raise ValueError(f"num_rollouts must be >= 0, got {np.ravel(m)[np.ravel(m) < 0][:5].tolist()}")
-    p, mf = np.broadcast_arrays(p, m.astype(np.float64))
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        value = -np.expm1(mf * np.log1p(-p)) - np.power(p, mf)
-    value = np.where(mf >= 2.0, np.clip(value, 0.0, 1.0), 0.0)
-    return value[()] if value.ndim == 0 else value
-
-
-def activation_increment(pred_success_prob, num_rollouts):
-    """Gain of one more rollout: ``A(p, m + 1) - A(p, m)`` in closed form, without cancellation.
-
-    Args:
-        pred_success_prob: float or array ``p`` in [0, 1].
-        num_rollouts: int or int array ``m >= 1`` (broadcast against ``p``).
-
-    Returns:
-        float64 ``p (1 - p) (p^(m-1) + (1 - p)^(m-1))``; non-increasing in ``m``.
-
-    References:
-        TRACE (arXiv 2606.11119), stage 1: the increments of ``A`` shrink with ``m`` for ``m >= 1``.
-    """
-    p = np.asarray(pred_success_prob, dtype=np.float64)
-    m = np.asarray(num_rollouts, dtype=np.float64)
-    if np.any(m < 1):
-        raise ValueError("activation_increment is defined for m >= 1 (the 0 -> 1 step is 0, then jumps)")
-    return p * (1.0 - p) * (np.power(p, m - 1.0) + np.power(1.0 - p, m - 1.0))
+    root_objective: str = "groups"
 
 
 # ---- feasibility and ordering ---------------------------------------------------------------------------
@@ -223,43 +172,6 @@ def _unit_order(p: np.ndarray, m_min: int, m_max: int) -> np.ndarray:
     return flat[np.lexsort((flat, -gains))]
 
 
-def _solve_exact_dp(p: np.ndarray, root_budget: int, m_min: int, m_max: int) -> np.ndarray:
-    num_prompts = p.size
-    m_values = np.arange(m_min, m_max + 1)
-    width = m_values.size
-    values = activation_prob(p[:, None], m_values[None, :])  # (B, W)
-    span = root_budget + 1
-    best = np.full(span, -np.inf)
-    best[0] = 0.0
-    # choice[i, b] = 0 (skip) or 1 + j (prompt i takes m_values[j]) in the optimum of prompts 0..i at budget b
-    choice = np.zeros((num_prompts, span), dtype=np.int16 if width < 32000 else np.int32)
-    window_rows = m_max - m_values  # row r of the windows is best[b - (m_max - r)]
-    candidates = np.empty((width + 1, span))
-    pad = np.full(m_max + span, -np.inf)
-    for i in range(num_prompts):
-        pad[m_max:] = best
-        candidates[0] = best
-        candidates[1:] = sliding_window_view(pad, span)[window_rows] + values[i, :, None]
-        choice[i] = np.argmax(candidates, axis=0)  # first maximum: skip, then smaller m, wins ties
-        best = candidates.max(axis=0)
-    counts = np.zeros(num_prompts, dtype=np.int64)
-    budget_left = root_budget
-    for i in range(num_prompts - 1, -1, -1):
-        c = int(choice[i, budget_left])
-        if c:
-            counts[i] = m_values[c - 1]
-            budget_left -= counts[i]
-    if budget_left != 0 or not np.isfinite(best[root_budget]):
-        raise AssertionError("DP backtrack did not spend the budget")  # feasibility was checked
-    return counts
-
-
-def _dual_value(values: np.ndarray, m_values: np.ndarray, price: float, root_budget: int) -> float:
-    """Lagrangian dual ``g(lambda) = lambda M + sum_i max(0, max_m A(p_i, m) - lambda m)`` >= optimum."""
-    reduced = values - price * m_values[None, :]
-    return float(price * root_budget + np.maximum(reduced.max(axis=1), 0.0).sum())
-
-
 def _solve_lagrangian(p: np.ndarray, root_budget: int, m_min: int, m_max: int
                       ) -> tuple[np.ndarray, float]:
     num_prompts = p.size
@@ -291,7 +203,7 @@ def _solve_lagrangian(p: np.ndarray, root_budget: int, m_min: int, m_max: int
     crossing = int(np.searchsorted(filled, root_budget, side="left"))
     crossing = min(crossing, order.size - 1)
     price_star = float(item_price[order[crossing]])
-    upper_bound = _dual_value(values, m_values, price_star, root_budget)
+    upper_bound = dual_value(values, m_values, price_star, root_budget)
 
     # primal: activate the top-k prompts by block price, for k near the relaxation's active count
     taken = order[filled <= root_budget]
@@ -315,8 +227,9 @@ def _solve_lagrangian(p: np.ndarray, root_budget: int, m_min: int, m_max: int
 
 
 def allocate_roots(pred_success_prob, root_budget: int, m_min: int, m_max: int, *,
-                   exact_max_cells: int = 2_000_000, tie_keys=None, allow_skip: bool = True) -> RootAllocation:
-    """Choose rollouts per candidate prompt to maximise the expected number of activated groups.
+                   exact_max_cells: int = 2_000_000, tie_keys=None, allow_skip: bool = True,
+                   root_objective: str = "groups") -> RootAllocation:
+    """Choose rollouts per candidate prompt to maximise the expected activated groups (or their leaves).
 
     Args:
         pred_success_prob: (B,) float predicted success probability ``p_i`` in [0, 1] of each candidate.
@@ -328,20 +241,25 @@ def allocate_roots(pred_success_prob, root_budget: int, m_min: int, m_max: int, 
         tie_keys: (B,) sortable keys (prompt ids) that order ties; None uses the input order. Between
             otherwise identical prompts, the smaller tie key is served first.
         allow_skip: False forbids ``m_i = 0`` (every prompt gets ``m_min..m_max``, as Knapsack-RL never
-            skips); that problem is concave and solved exactly by greedy increments.
+            skips); under ``groups`` that problem is concave and solved exactly by greedy increments, under
+            ``leaves`` by the DP (or the envelope Lagrangian past ``exact_max_cells``).
+        root_objective: ``"groups"`` maximises ``sum_i A(p_i, m_i)`` (the paper's); ``"leaves"`` maximises
+            ``sum_i m_i A(p_i, m_i)``, the expected root leaves in mixed groups
+            (``allocation.root_objective``; docs/method.md, "Root allocation").
 
     Returns:
-        ``RootAllocation`` with (B,) int64 counts in input order, the objective ``sum_i A(p_i, m_i)``, a
-        certified upper bound, the relative gap, and the method used.
+        ``RootAllocation`` with (B,) int64 counts in input order, the objective's value, a certified upper
+        bound, the relative gap, the method used and the objective's name.
 
     Raises:
-        ValueError: probabilities outside [0, 1], or no feasible allocation (see
+        ValueError: probabilities outside [0, 1], an unknown ``root_objective``, or no feasible allocation (see
             ``check_root_budget_feasible``; the message names the config keys to change).
 
     References:
         TRACE (arXiv 2606.11119), stage 1; Knapsack-RL (arXiv 2509.25849) for the exact DP;
         Lagrangian relaxation of a separable knapsack (Everett 1963) for the dual bound.
     """
+    check_root_objective(root_objective)
     p = _as_probs(pred_success_prob, "pred_success_prob")
     if p.ndim != 1:
         raise ValueError(f"pred_success_prob must have shape (B,), got {p.shape}")
@@ -354,22 +272,31 @@ def allocate_roots(pred_success_prob, root_budget: int, m_min: int, m_max: int, 
     p_sorted = p[order]
 
     upper_bound = None
+    cells = num_prompts * root_budget * (m_max - m_min + 1)
     if root_budget == 0:
         counts_sorted, method = np.zeros(num_prompts, dtype=np.int64), "exact"
+    elif root_objective != "groups":  # not concave on [m_min, m_max]: DP, or the envelope Lagrangian
+        values = objective_table(p_sorted[:, None], np.arange(m_min, m_max + 1)[None, :], root_objective)
+        if cells <= exact_max_cells:
+            counts_sorted, method = solve_exact_dp(values, root_budget, m_min, m_max, allow_skip), "exact"
+        else:
+            counts_sorted, upper_bound = solve_envelope(values, root_budget, m_min, m_max, allow_skip)
+            method = "lagrangian"
     elif not allow_skip:
         counts_sorted = _fill_active(p_sorted, np.ones(num_prompts, dtype=bool), root_budget, m_min, m_max)
         method = "exact"
-    elif num_prompts * root_budget * (m_max - m_min + 1) <= exact_max_cells:
-        counts_sorted, method = _solve_exact_dp(p_sorted, root_budget, m_min, m_max), "exact"
+    elif cells <= exact_max_cells:
+        values = activation_prob(p_sorted[:, None], np.arange(m_min, m_max + 1)[None, :])  # (B, W)
+        counts_sorted, method = solve_exact_dp(values, root_budget, m_min, m_max), "exact"
     else:
         counts_sorted, upper_bound = _solve_lagrangian(p_sorted, root_budget, m_min, m_max)
         method = "lagrangian"
 
-    objective = float(activation_prob(p_sorted, counts_sorted).sum())
+    objective = objective_value(p_sorted, counts_sorted, root_objective)
     if upper_bound is None:
         upper_bound = objective
     gap = (upper_bound - objective) / upper_bound if upper_bound > 0 else 0.0
     counts = np.empty(num_prompts, dtype=np.int64)
     counts[order] = counts_sorted
     return RootAllocation(counts=counts, objective=objective, upper_bound=float(upper_bound),
-                          gap=float(max(gap, 0.0)), method=method)
+                          gap=float(max(gap, 0.0)), method=method, root_objective=root_objective)

@@ -28,7 +28,7 @@ from trace.allocation.prefix_rules import plan_expansion
 from trace.allocation.registry import Arm, get_prefix_rule
 from trace.tree import RolloutTree
 
-__all__ = ["StepSampler", "StepResult", "allocate_step"]
+__all__ = ["AnchorChoice", "StepSampler", "StepResult", "allocate_step"]
 
 
 @runtime_checkable
@@ -49,6 +49,39 @@ class StepSampler(Protocol):
         """Append ``K`` continuations below each ``(tree_idx, node_id)`` anchor, in place."""
 
 
+@dataclass(frozen=True)
+class AnchorChoice:
+    """One anchor stage 2 branched, as the prefix rule saw it when it chose it (read by ``trace.audit``).
+
+    Attributes:
+        tree_idx: the anchor's tree, an index into ``StepResult.trees``.
+        node_id: the anchor's node id.
+        factual_reward: ``r``, the mean reward of the leaves below the anchor when it was chosen (the one
+            trajectory through it; ``candidate_anchors``).
+        pred_success_prob: ``v = V_hat(H)`` the prefix rule read; NaN for rules that read no prediction.
+        num_continuations: ``K``, the continuations sampled below it in that round.
+    """
+
+    tree_idx: int
+    node_id: int
+    factual_reward: float
+    pred_success_prob: float
+    num_continuations: int
+
+
+def _chosen_anchors(trees: Sequence[RolloutTree], counts: Mapping[tuple[int, int], int],
+                    anchor_probs: Mapping | None) -> list[AnchorChoice]:
+    """One round's anchors with their factual rewards and predictions, before their continuations exist."""
+    stats: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    out = []
+    for (t_idx, node_id), k in sorted(counts.items()):
+        num_leaves, reward_sum = stats.setdefault(t_idx, trees[t_idx].subtree_stats())
+        v = np.nan if anchor_probs is None else anchor_probs.get((t_idx, node_id), np.nan)
+        out.append(AnchorChoice(int(t_idx), int(node_id), float(reward_sum[node_id] / num_leaves[node_id]), float(v),
+                                int(k)))
+    return out
+
+
 @dataclass
 class StepResult:
     """What one allocation step sampled.
@@ -62,6 +95,10 @@ class StepResult:
         timings: seconds, ``time/predict``, ``time/rollout`` and (when continuations were sampled)
             ``time/expand``.
         is_filtered: the root rule kept only some of the trees it sampled (``dapo``).
+        root_pred_success_prob: (len(sampled_trees),) float64 ``p_i`` stage 1 read for each sampled tree;
+            NaN for arms that read no predictor.
+        root_counts: (len(sampled_trees),) int64 ``m_i``, each sampled tree's bare root rollouts (stage 1).
+        anchors: every anchor stage 2 branched (``AnchorChoice``), round by round.
     """
 
     trees: list[RolloutTree]
@@ -69,12 +106,16 @@ class StepResult:
     metrics: dict[str, float] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     is_filtered: bool = False
+    root_pred_success_prob: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    root_counts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    anchors: list[AnchorChoice] = field(default_factory=list)
 
 
 def _expand(arm: Arm, trees: list[RolloutTree], counts: np.ndarray, expansion_budget: int, sampler: StepSampler,
             rng_for: Callable[[str], np.random.Generator], rounds: int, treepo_width: int,
-            timings: dict) -> int:
-    """Stage 2 over ``rounds`` rounds; returns continuations that could not be placed."""
+            timings: dict, chosen: list[AnchorChoice]) -> int:
+    """Stage 2 over ``rounds`` rounds, appending each round's anchors to ``chosen``; returns continuations that
+    could not be placed."""
     if not arm.has_expansion or expansion_budget <= 0 or not trees:
         return expansion_budget
     needs_scores = get_prefix_rule(arm.prefix_rule).needs_scores
@@ -99,6 +140,7 @@ def _expand(arm: Arm, trees: list[RolloutTree], counts: np.ndarray, expansion_bu
                               new_only_from=new_from)
         sizes = [len(t.nodes) for t in trees]
         if plan.counts:
+            chosen.extend(_chosen_anchors(trees, plan.counts, anchor_probs))
             t0 = time.perf_counter()
             sampler.sample_continuations(trees, plan.counts, f"branch{rnd}")
             timings["time/expand"] = timings.get("time/expand", 0.0) + time.perf_counter() - t0
@@ -151,13 +193,16 @@ def allocate_step(arm: Arm, candidates: Sequence, sampler: StepSampler, acfg,
                                 expansion_ratio=acfg.expansion_ratio, group_size=acfg.group_size,
                                 m_min=acfg.m_min, m_max=acfg.m_max, knapsack_m_min=acfg.knapsack_m_min,
                                 tie_keys=tie_keys, exact_max_cells=acfg.exact_max_cells,
-                                max_retries=acfg.dapo_max_retries, rng_for=rng_for, sample_groups=sample_groups)
+                                max_retries=acfg.dapo_max_retries, rng_for=rng_for, sample_groups=sample_groups,
+                                root_objective=acfg.root_objective)
     except NoMixedGroupError as err:
         # every sampled group agreed within the retry bound: nothing to learn from this step. Any other error
         # of the rollouts (retriever, backend, out of memory) is not an outcome and stops the run.
         metrics.update(err.metrics)
         timings["time/rollout"] = time.perf_counter() - t0
-        return StepResult(trees=[], sampled_trees=rule_sampled, metrics=metrics, timings=timings, is_filtered=True)
+        return StepResult(trees=[], sampled_trees=rule_sampled, metrics=metrics, timings=timings, is_filtered=True,
+                          root_pred_success_prob=np.full(len(rule_sampled), np.nan),
+                          root_counts=np.array([t.num_trajectories() for t in rule_sampled], dtype=np.int64))
     for key in ("gap", "objective", "upper_bound"):
         if key in plan.info:
             metrics[f"allocation/root_{key}"] = float(plan.info[key])
@@ -165,6 +210,8 @@ def allocate_step(arm: Arm, candidates: Sequence, sampler: StepSampler, acfg,
     if plan.trees is not None:  # the root rule sampled its own groups
         trees, sampled_trees = list(plan.trees), list(plan.sampled_trees)
         counts = np.array([t.num_trajectories() for t in trees], dtype=np.int64)
+        root_pred = np.full(len(sampled_trees), np.nan)
+        root_counts = np.array([t.num_trajectories() for t in sampled_trees], dtype=np.int64)
     else:
         counts = plan.counts
         active = np.flatnonzero(counts)
@@ -175,10 +222,12 @@ def allocate_step(arm: Arm, candidates: Sequence, sampler: StepSampler, acfg,
             tree.root.num_branches = int(counts[i])
         counts = counts[active]
         sampled_trees = trees
+        root_pred, root_counts = pred[active], counts.copy()
     timings["time/rollout"] = time.perf_counter() - t0
 
+    chosen: list[AnchorChoice] = []
     unspent = _expand(arm, trees, counts, plan.expansion_budget, sampler, rng_for, acfg.rounds, acfg.treepo_width,
-                      timings)
+                      timings, chosen)
     if unspent > 0 and trees:
         # no trajectory had a non-terminal prefix (every rollout ended in one turn): keep the step at T
         # trajectories with extra bare rollouts from the roots, spread like the root allocation
@@ -186,4 +235,5 @@ def allocate_step(arm: Arm, candidates: Sequence, sampler: StepSampler, acfg,
         sampler.sample_continuations(trees, {(i, 0): int(k) for i, k in enumerate(extra) if k > 0}, "extra_roots")
         metrics["allocation/extra_root_rollouts"] = float(unspent)
     return StepResult(trees=trees, sampled_trees=sampled_trees, metrics=metrics, timings=timings,
-                      is_filtered=plan.trees is not None)
+                      is_filtered=plan.trees is not None, root_pred_success_prob=root_pred, root_counts=root_counts,
+                      anchors=chosen)

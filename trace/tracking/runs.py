@@ -4,7 +4,7 @@ Run identity: a run is named ``<stage>[-<ablation>]-s<seed>-<experiment>``, wher
 experiment name under ``dvc exp run`` (``$DVC_EXP_NAME``) and the first 6 characters of the params hash
 otherwise; its params are the stage's own plus ``ablation`` and ``dvc.exp_name`` (``workspace`` outside
 ``dvc exp run``); its tags are ``trace.stage``, ``trace.ablation``, ``trace.params_hash``,
-``trace.run_key``, ``trace.process`` and ``git.commit``.
+``trace.run_key``, ``trace.process``, ``git.commit`` and, for a run with a seed, ``trace.seed``.
 
 Invariants:
 - No run stays RUNNING after its process is gone. A stage that raises ends FAILED; one interrupted
@@ -33,6 +33,7 @@ from trace.tracking.experiment import ensure_experiment, git_commit, resolve_tra
 from trace.tracking.names import dvc_experiment_name, flatten_params, metric_key, run_name
 
 PROCESS_TAG = "trace.process"
+SEED_TAG = "trace.seed"  # the run's seed (a train or evaluate run: the training seed of its arm)
 
 
 def process_identity(pid: int | None = None) -> str:
@@ -149,7 +150,7 @@ def _carry_history(client, source, target_id: str) -> None:
         client.log_batch(target_id, metrics=batch)
 
 
-_OWN_TAGS = ("trace.stage", "trace.ablation", "trace.params_hash", "trace.run_key", PROCESS_TAG, "git.commit",
+_OWN_TAGS = (SEED_TAG, "trace.stage", "trace.ablation", "trace.params_hash", "trace.run_key", PROCESS_TAG, "git.commit",
              "trace.killed", "trace.continues", "trace.continued_in")
 
 
@@ -171,7 +172,7 @@ def stage_run(stage: str, *, tracking_uri: str | None, experiment_name: str, par
         resume: continue the newest ended run with the same stage, ablation and params hash: the new run
             carries its metric history and tags, starts as long before now as it ran, and the earlier run is
             deleted (soft delete). Without an earlier run, a fresh run.
-        seed: the ``seed`` param, shown in the run name; None leaves it out.
+        seed: the run's seed, shown in the run name and tagged ``trace.seed``; None leaves both out.
         dvc_experiment: DVC experiment name; None reads ``$DVC_EXP_NAME`` (``dvc_experiment_name``).
 
     Yields:
@@ -200,6 +201,8 @@ def stage_run(stage: str, *, tracking_uri: str | None, experiment_name: str, par
     exp_name = dvc_experiment_name() if dvc_experiment is None else dvc_experiment
     tags = {"trace.stage": stage, "trace.ablation": ablation, "trace.params_hash": params_hash,
             "trace.run_key": run_key, PROCESS_TAG: process_identity(), "git.commit": git_commit()}
+    if seed is not None:
+        tags[SEED_TAG] = str(seed)
     start_ms = int(time.time() * 1000)
     if previous is not None:
         tags["trace.continues"] = previous.info.run_id
@@ -234,8 +237,14 @@ def stage_run(stage: str, *, tracking_uri: str | None, experiment_name: str, par
     client.set_terminated(run_id, status="FINISHED")
 
 
-def finished_runs(tracking_uri: str | None, experiment_name: str, stage: str) -> list:
-    """Newest FINISHED run per ablation of one stage (``mlflow.entities.Run`` objects)."""
+def finished_runs(tracking_uri: str | None, experiment_name: str, stage: str,
+                  key_tags: tuple[str, ...] = ("trace.ablation",)) -> list:
+    """Newest FINISHED run of one stage per value of ``key_tags`` (``mlflow.entities.Run`` objects).
+
+    Args:
+        key_tags: the tags whose values tell runs apart; the default keeps one run per ablation,
+            ``("trace.ablation", "trace.params_hash")`` one per ablation and params hash (so per seed).
+    """
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(resolve_tracking_uri(tracking_uri))
@@ -245,7 +254,7 @@ def finished_runs(tracking_uri: str | None, experiment_name: str, stage: str) ->
     runs = client.search_runs([exp.experiment_id],
                               filter_string=f"tags.`trace.stage` = '{stage}' and attributes.status = 'FINISHED'",
                               order_by=["attributes.start_time DESC"], max_results=1000)
-    newest: dict[str, object] = {}
+    newest: dict[tuple, object] = {}
     for run in runs:
-        newest.setdefault(run.data.tags.get("trace.ablation", ""), run)
+        newest.setdefault(tuple(run.data.tags.get(tag, "") for tag in key_tags), run)
     return list(newest.values())

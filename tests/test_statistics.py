@@ -1,0 +1,95 @@
+"""Means and t-intervals over seeds, paired differences, tokens to a target, bands on a common grid."""
+
+import math
+
+import numpy as np
+import pytest
+
+from trace.statistics import common_grid, curve_band, mean_interval, paired_difference, t_quantile, \
+    tokens_to_target
+
+
+def test_t_interval_of_three_seeds_is_the_textbook_one():
+    # mean 0.7, s = 0.1, t_{0.975, 2} = 4.303: 0.7 +- 4.303 * 0.1 / sqrt(3) = 0.7 +- 0.2484
+    iv = mean_interval([0.6, 0.7, 0.8])
+    assert iv.n == 3 and iv.mean == pytest.approx(0.7)
+    assert iv.half_width == pytest.approx(4.302653 * 0.1 / math.sqrt(3), rel=1e-6)
+    assert (iv.low, iv.high) == pytest.approx((0.7 - 0.248414, 0.7 + 0.248414), abs=1e-6)
+    assert t_quantile(3) == pytest.approx(4.302653, rel=1e-6)
+
+
+def test_a_slow_loop_gives_the_same_interval():
+    values = [0.31, 0.52, 0.47, 0.40, 0.38]
+    n = len(values)
+    mean = sum(values) / n
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    half = 2.776445 * sd / math.sqrt(n)  # t_{0.975, 4}
+    iv = mean_interval(values)
+    assert (iv.low, iv.mean, iv.high) == pytest.approx((mean - half, mean, mean + half), rel=1e-6)
+
+
+def test_one_seed_has_a_mean_but_no_interval_and_nothing_is_real():
+    iv = mean_interval([0.42])
+    assert iv.mean == 0.42 and iv.n == 1 and not iv.has_interval
+    assert math.isnan(iv.low) and math.isnan(iv.high) and not iv.excludes_zero
+    empty = mean_interval([])
+    assert empty.n == 0 and math.isnan(empty.mean)
+
+
+def test_non_finite_values_are_left_out_of_the_sample():
+    assert mean_interval([0.6, float("nan"), 0.8, float("inf")]).n == 2
+    assert mean_interval([0.6, float("nan"), 0.8]).mean == pytest.approx(0.7)
+
+
+def test_bad_confidence_names_the_range():
+    with pytest.raises(ValueError, match=r"confidence must lie in \(0, 1\)"):
+        mean_interval([0.1, 0.2], confidence=95)
+    with pytest.raises(ValueError, match="at least 2 values"):
+        t_quantile(1)
+
+
+def test_paired_differences_pair_by_seed_and_skip_unpaired_seeds():
+    # diffs at seeds 0, 1, 2: 0.1, 0.2, 0.15 -> mean 0.15, s = 0.05, half = 4.303 * 0.05 / sqrt(3) = 0.1242
+    arm = {0: 0.5, 1: 0.6, 2: 0.55, 7: 0.9}
+    grpo = {2: 0.4, 0: 0.4, 1: 0.4, 5: 0.0}
+    iv = paired_difference(arm, grpo)
+    assert iv.n == 3 and iv.mean == pytest.approx(0.15)
+    assert iv.half_width == pytest.approx(4.302653 * 0.05 / math.sqrt(3), rel=1e-5)
+    assert iv.excludes_zero  # 0.15 - 0.124 > 0
+    noisy = paired_difference({0: 0.5, 1: 0.3, 2: 0.45}, {0: 0.4, 1: 0.4, 2: 0.4})  # diffs 0.1, -0.1, 0.05
+    assert noisy.has_interval and not noisy.excludes_zero
+
+
+def test_paired_differences_beat_unpaired_when_seeds_share_noise():
+    # a seed effect of +-0.2 shared by both arms: the paired interval is tight, the arm's own interval wide
+    arm, grpo = {0: 0.31, 1: 0.71, 2: 0.52}, {0: 0.30, 1: 0.70, 2: 0.50}
+    assert paired_difference(arm, grpo).half_width < mean_interval(list(arm.values())).half_width / 10
+
+
+def test_tokens_to_target_interpolates_the_first_crossing():
+    # 0.3 at 100, 0.5 at 200: 0.4 is crossed halfway, at 150; the later dip and second crossing are ignored
+    assert tokens_to_target([100, 200, 300, 400], [0.3, 0.5, 0.2, 0.6], 0.4) == pytest.approx(150.0)
+    assert tokens_to_target([100, 200], [0.45, 0.5], 0.4) == 100.0  # reached at the first evaluation
+    assert tokens_to_target([100, 200], [0.3, 0.5], 0.5) == 200.0  # reached exactly at a point
+    assert tokens_to_target([100, 200], [0.3, 0.35], 0.4) is None
+    assert tokens_to_target([], [], 0.4) is None
+    with pytest.raises(ValueError, match="one value per evaluation"):
+        tokens_to_target([1, 2], [0.1], 0.4)
+
+
+def test_common_grid_spans_the_range_every_curve_covers():
+    grid = common_grid([([0, 10, 20], [0, 1, 2]), ([5, 15], [0, 1])], num=3)
+    assert grid.tolist() == [5.0, 10.0, 15.0]
+    assert common_grid([([0, 1], [0, 0]), ([2, 3], [0, 0])]).size == 0
+    assert common_grid([]).size == 0
+
+
+def test_curve_band_interpolates_each_seed_then_takes_the_interval_pointwise():
+    # at x = 5: seed a interpolates 0.5 (0 -> 1 over 0..10), seed b 0.7 (0.2 -> 1.2), seed c 0.6
+    curves = [([0, 10], [0.0, 1.0]), ([0, 10], [0.2, 1.2]), ([0, 10], [0.1, 1.1])]
+    mean, low, high = curve_band(curves, [5.0, 20.0])
+    expected = mean_interval([0.5, 0.7, 0.6])
+    assert (mean[0], low[0], high[0]) == pytest.approx((expected.mean, expected.low, expected.high))
+    assert np.isnan(mean[1])  # outside every curve
+    one_mean, one_low, _ = curve_band(curves[:1], [5.0])
+    assert one_mean[0] == pytest.approx(0.5) and np.isnan(one_low[0])

@@ -1,0 +1,215 @@
+"""Allocation audit: each step, the allocator's own forecasts against what its trees show.
+
+Two forecasts, each next to the realised count it predicts (docs/method.md#allocation-audit):
+
+- stage 1: ``audit/expected_mixed_groups = sum_i A(p_i, m_i)`` over the step's root groups, against
+  ``audit/mixed_groups``, the root groups whose ``m_i`` bare root rollouts are mixed. Only the root rollouts'
+  leaves count, never continuations or extra root rollouts, since ``A(p_i, m_i)`` forecasts exactly those;
+- stage 2: ``audit/expected_flips = sum_a V_pref(r_a, v_a, K_a)`` over the anchors stage 2 branched, against
+  ``audit/flips``, the anchors at least one of whose ``K_a`` continuations ended with a reward other than the
+  factual ``r_a``.
+
+A forecast well above its outcome with a calibrated predictor points at the objective; a forecast that misses
+its outcome points at the predictor (with the true ``V`` as predictor, realised minus expected has mean 0).
+A forecast needs predictions: arms that read none get NaN (the MLflow logger skips non-finite values), while
+the realised counts are defined for every arm.
+
+Invariant: pure functions of the step's record (``trace.allocation.step.StepResult``) and trees; they draw
+no random numbers and change nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from trace.allocation.prefix import prefix_value
+from trace.allocation.root import activation_prob
+from trace.allocation.step import AnchorChoice, StepResult
+from trace.tree import Origin, RolloutTree
+
+__all__ = [
+    "AUDIT_METRIC_KEYS",
+    "expected_mixed_groups",
+    "root_rollout_rewards",
+    "mixed_root_groups",
+    "expected_flips",
+    "continuation_rewards",
+    "realised_flips",
+    "audit_metrics",
+]
+
+AUDIT_METRIC_KEYS = ("audit/groups", "audit/expected_mixed_groups", "audit/mixed_groups", "audit/anchors",
+                     "audit/expected_flips", "audit/flips")
+
+
+def _is_mixed(rewards: np.ndarray) -> bool:
+    """At least 2 rewards and not all equal (``trace.metrics``' notion of a mixed group)."""
+    return rewards.size >= 2 and bool(rewards.max() > rewards.min())
+
+
+def expected_mixed_groups(pred_success_prob, root_counts) -> float:
+    """Stage 1's forecast of mixed root groups: ``sum_i A(p_i, m_i)``.
+
+    Args:
+        pred_success_prob: (R,) float ``p_i`` in [0, 1] that stage 1 read, one per root group; NaN for an arm
+            without a predictor.
+        root_counts: (R,) int ``m_i >= 0``, the group's bare root rollouts.
+
+    Returns:
+        The expected number of root groups holding both a success and a failure; 0.0 with no group, NaN when
+        any ``p_i`` is NaN (no forecast).
+
+    Raises:
+        ValueError: shapes differ, or a value is out of range (see ``activation_prob``).
+
+    References:
+        TRACE (arXiv 2606.11119), stage 1 objective; docs/method.md#allocation-audit.
+    """
+    p = np.asarray(pred_success_prob, dtype=np.float64).reshape(-1)
+    m = np.asarray(root_counts).reshape(-1)
+    if p.shape != m.shape:
+        raise ValueError(f"pred_success_prob {p.shape} and root_counts {m.shape} must both hold one value per "
+                         "root group")
+    if np.isnan(p).any():
+        return float("nan")
+    return float(np.sum(activation_prob(p, m))) if p.size else 0.0
+
+
+def root_rollout_rewards(tree: RolloutTree) -> np.ndarray:
+    """(m,) float64 rewards of the tree's bare root rollouts (``Origin.ROLLOUT`` leaves; truncated as 0).
+
+    Continuations and extra root rollouts are ``Origin.BRANCH`` nodes and branching never turns a rollout's
+    leaf into an inner node, so these are exactly stage 1's ``m`` trajectories.
+    """
+    return np.array([0.0 if n.reward is None else float(n.reward) for n in tree.leaves() if n.origin == Origin.ROLLOUT],
+                    dtype=np.float64)
+
+
+def mixed_root_groups(trees: Sequence[RolloutTree], root_counts=None) -> int:
+    """Root groups whose bare root rollouts are mixed (at least 2, rewards not all equal).
+
+    Args:
+        trees: one tree per root group.
+        root_counts: (R,) the ``m_i`` stage 1 recorded; when given, each tree must hold exactly that many root
+            rollouts.
+
+    Returns:
+        The number of mixed root groups.
+
+    Raises:
+        ValueError: ``root_counts`` has the wrong length or disagrees with a tree.
+    """
+    if root_counts is not None:
+        counts = np.asarray(root_counts).reshape(-1)
+        if counts.size != len(trees):
+            raise ValueError(f"root_counts has {counts.size} entries for {len(trees)} trees: record one m_i per "
+                             "sampled tree")
+    num_mixed = 0
+    for t_idx, tree in enumerate(trees):
+        rewards = root_rollout_rewards(tree)
+        if root_counts is not None and rewards.size != int(counts[t_idx]):
+            raise ValueError(f"tree {tree.tree_id}: {rewards.size} root rollouts but stage 1 recorded "
+                             f"m_i = {int(counts[t_idx])}; pass the record of the step that sampled these trees")
+        num_mixed += _is_mixed(rewards)
+    return num_mixed
+
+
+def expected_flips(anchors: Sequence[AnchorChoice]) -> float:
+    """Stage 2's forecast of flipped anchors: ``sum_a V_pref(r_a, v_a, K_a)``.
+
+    Args:
+        anchors: the anchors stage 2 branched, with the factual reward ``r``, prediction ``v`` and count ``K``
+            the prefix rule saw.
+
+    Returns:
+        The expected number of anchors whose continuations produce an outcome opposite to the factual one;
+        0.0 with no anchor, NaN when any ``v`` is NaN (a rule that reads no prediction).
+
+    Raises:
+        ValueError: ``r`` or ``v`` outside [0, 1], or ``K`` negative (see ``prefix_value``).
+
+    References:
+        TRACE (arXiv 2606.11119), stage 2 objective ``V_pref``; docs/method.md#prefix-expansion.
+    """
+    if not anchors:
+        return 0.0
+    v = np.array([a.pred_success_prob for a in anchors], dtype=np.float64)
+    if np.isnan(v).any():
+        return float("nan")
+    r = np.array([a.factual_reward for a in anchors], dtype=np.float64)
+    k = np.array([a.num_continuations for a in anchors], dtype=np.int64)
+    return float(np.sum(prefix_value(r, v, k)))
+
+
+def continuation_rewards(tree: RolloutTree) -> dict[int, np.ndarray]:
+    """``{anchor node id: (K,) float64 rewards}`` of the leaves of each anchor's own continuations.
+
+    A continuation's nodes carry ``branch_anchor_id`` = its anchor, so a later round's continuations below it
+    belong to their own anchor, not to this one. Truncated leaves count as 0.
+    """
+    out: dict[int, list[float]] = {}
+    for leaf in tree.leaves():
+        if leaf.origin == Origin.BRANCH and leaf.branch_anchor_id >= 0:
+            out.setdefault(leaf.branch_anchor_id, []).append(0.0 if leaf.reward is None else float(leaf.reward))
+    return {anchor: np.array(rewards, dtype=np.float64) for anchor, rewards in out.items()}
+
+
+def realised_flips(trees: Sequence[RolloutTree], anchors: Sequence[AnchorChoice]) -> int:
+    """Anchors at least one of whose continuations ended with a reward other than the factual one.
+
+    Rewards are 0 or 1 in every task here, so "other than" is the opposite outcome; it is also the event that
+    makes the group of the factual leaf and the anchor's continuations mixed.
+
+    Args:
+        trees: the trees stage 2 branched (``StepResult.trees``).
+        anchors: the anchors it chose (``StepResult.anchors``).
+
+    Returns:
+        The number of flipped anchors.
+
+    Raises:
+        ValueError: an anchor's tree index is out of range, or its tree does not hold ``K`` continuations of it.
+    """
+    per_tree: dict[int, dict[int, np.ndarray]] = {}
+    num_flips = 0
+    for a in anchors:
+        if not 0 <= a.tree_idx < len(trees):
+            raise ValueError(f"anchor {a} points at tree {a.tree_idx} of {len(trees)}: pass the trees stage 2 "
+                             "branched (StepResult.trees)")
+        rewards = per_tree.setdefault(a.tree_idx, continuation_rewards(trees[a.tree_idx])).get(a.node_id, np.zeros(0))
+        if rewards.size != a.num_continuations:
+            raise ValueError(f"tree {trees[a.tree_idx].tree_id} node {a.node_id}: {rewards.size} continuations, but "
+                             f"stage 2 chose K = {a.num_continuations}; pass the trees of the step that chose it")
+        num_flips += bool(np.any(rewards != a.factual_reward))
+    return num_flips
+
+
+def audit_metrics(result: StepResult) -> dict[str, float]:
+    """The step's allocation audit, keyed as in ``AUDIT_METRIC_KEYS``.
+
+    Args:
+        result: the step (``trace.allocation.step.allocate_step``): its sampled trees are the root groups
+            (for ``dapo`` every group sampled, kept or not), its trees carry stage 2's anchors.
+
+    Returns:
+        ``{"audit/groups": R, "audit/expected_mixed_groups": sum A(p_i, m_i) or NaN, "audit/mixed_groups",
+        "audit/anchors": anchors branched, "audit/expected_flips": sum V_pref or NaN, "audit/flips"}``,
+        all floats.
+
+    Raises:
+        ValueError: the record does not describe the trees (see ``mixed_root_groups``, ``realised_flips``).
+
+    References:
+        docs/method.md#allocation-audit.
+    """
+    groups = result.sampled_trees
+    return {
+        "audit/groups": float(len(groups)),
+        "audit/expected_mixed_groups": expected_mixed_groups(result.root_pred_success_prob, result.root_counts),
+        "audit/mixed_groups": float(mixed_root_groups(groups, result.root_counts)),
+        "audit/anchors": float(len(result.anchors)),
+        "audit/expected_flips": expected_flips(result.anchors),
+        "audit/flips": float(realised_flips(result.trees, result.anchors)),
+    }

@@ -1,0 +1,148 @@
+"""The report's PNGs: per-arm curves over training seeds, the mean with its pointwise 95 % t-interval band.
+
+Per-step metrics are plotted against the training step; held-out accuracy against cumulative generated
+tokens and against cumulative trajectories, each seed's curve linearly interpolated onto a grid all seeds
+cover (``trace.statistics.common_grid``, ``curve_band``). With one seed a curve has no band. ``audit.png``
+(forecast against realised mixed groups and flips per arm) is drawn only when some train run logged the
+allocation audit's keys, and removed otherwise so that no stale audit is left beside the report.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from trace.report import AUDIT_KEYS, CONFIDENCE, accuracy_curve, arm_statistics
+from trace.statistics import common_grid, curve_band
+
+# plot file -> (step metric, y label, x metric or None for the training step)
+PLOTS: dict[str, tuple[str, str, str | None]] = {
+    "effective_ratio.png": ("effective_ratio", "effective ratio", None),
+    "reward.png": ("reward/mean", "mean train reward", None),
+    "tokens.png": ("tokens/generated", "generated tokens per step", None),
+    "accuracy_vs_tokens.png": ("accuracy/eval", "held-out greedy accuracy", "tokens/cumulative"),
+    "accuracy_vs_trajectories.png": ("accuracy/eval", "held-out greedy accuracy", "rollout/cumulative_trajectories"),
+}
+AUDIT_PLOT = "audit.png"
+X_LABELS = {None: "training step", "tokens/cumulative": "cumulative generated tokens",
+            "rollout/cumulative_trajectories": "cumulative trajectories"}
+
+
+def _curves(by_seed: dict, key: str, x_key: str | None) -> list[tuple[list[float], list[float]]]:
+    curves = []
+    for res in by_seed.values():
+        if x_key is None:
+            pts = res["history"].get(key) or []
+            xs, ys = [float(s) for s, _ in pts], [v for _, v in pts]
+        elif key == "accuracy/eval":
+            xs, ys = accuracy_curve(res, x_key)
+        else:
+            xs_by_step = dict(res["history"].get(x_key) or [])
+            pts = [(xs_by_step[s], v) for s, v in res["history"].get(key) or [] if s in xs_by_step]
+            xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+        if xs:
+            curves.append((xs, ys))
+    return curves
+
+
+def plot_band(results: dict, key: str, ylabel: str, path: str | Path, x_key: str | None = None,
+              num: int = 50) -> None:
+    """One PNG of ``key`` per arm: the mean over seeds and its band, against the step or step metric ``x_key``.
+
+    Args:
+        results: ``trace.report.collect_results`` output (``{arm: {seed: run}}``).
+        key: the plotted step metric (one of ``trace.report.STEP_KEYS``).
+        ylabel: the y-axis label.
+        path: the PNG written (110 dpi).
+        x_key: the x-axis step metric, or None for the training step.
+        num: grid points of an x metric (the training step's grid is the logged steps).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for abl, by_seed in results.items():
+        curves = _curves(by_seed, key, x_key)
+        if not curves:
+            continue
+        if x_key is None:
+            grid = np.array(sorted({x for xs, _ in curves for x in xs}))
+        else:
+            grid = common_grid(curves, num)
+            if grid.size == 0:
+                continue
+        mean, low, high = curve_band(curves, grid, CONFIDENCE)
+        (line,) = ax.plot(grid, mean, marker="o" if x_key else None, ms=3, lw=1.2, label=abl)
+        if np.isfinite(low).any():
+            ax.fill_between(grid, low, high, color=line.get_color(), alpha=0.18, lw=0)
+    ax.set_xlabel(X_LABELS.get(x_key, x_key))
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_audit(results: dict, path: str | Path, pass_k: int = 1) -> bool:
+    """``audit.png``: per arm, forecast against realised mixed groups and flips per step (mean over steps,
+    then over seeds, with the seeds' t-interval as error bars).
+
+    Args:
+        results: ``trace.report.collect_results`` output.
+        path: the PNG written.
+        pass_k: ``evaluate.pass_k`` (passed through to ``arm_statistics``).
+
+    Returns:
+        True when drawn; False (nothing written) when no train run logged the audit keys.
+    """
+    arms = {a: st["audit"] for a, st in arm_statistics(results, pass_k)["arms"].items() if st["audit"]}
+    if not arms:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 4.2))
+    names = list(arms)
+    xs = np.arange(len(names))
+    for ax, (forecast, realised, title) in zip(axes, ((AUDIT_KEYS[0], AUDIT_KEYS[1], "mixed groups per step"),
+                                                      (AUDIT_KEYS[2], AUDIT_KEYS[3], "flips per step"))):
+        for offset, key, label in ((-0.2, forecast, "forecast"), (0.2, realised, "realised")):
+            ivs = [arms[a].get(key) for a in names]
+            means = [iv.mean if iv else np.nan for iv in ivs]
+            errs = [iv.half_width if iv and iv.has_interval else 0.0 for iv in ivs]
+            ax.bar(xs + offset, means, width=0.4, yerr=errs, capsize=2, label=label)
+        ax.set_xticks(xs, names, rotation=30, ha="right", fontsize=7)
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_plots(results: dict, folder: str | Path, pass_k: int = 1) -> list[Path]:
+    """Every plot of ``PLOTS`` into ``folder`` (which must exist), in the table's order, then ``audit.png``
+    when the audit keys exist (an older ``audit.png`` is removed when they do not).
+
+    Returns:
+        The PNG paths written.
+    """
+    paths = []
+    for name, (key, ylabel, x_key) in PLOTS.items():
+        path = Path(folder) / name
+        plot_band(results, key, ylabel, path, x_key=x_key)
+        paths.append(path)
+    audit = Path(folder) / AUDIT_PLOT
+    if plot_audit(results, audit, pass_k):
+        paths.append(audit)
+    else:
+        audit.unlink(missing_ok=True)
+    return paths
