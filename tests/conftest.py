@@ -1,7 +1,8 @@
 """Test-session environment: offline, CPU, quiet Prefect and MLflow state in a temporary folder.
 
-The defaults come from ``trace.process_env`` (those of the stages plus the launcher's thread count); the
-temporary Prefect home and MLflow database are set first, so they take the place of the repository's.
+The defaults come from ``trace.process_env`` (those of the stages plus the launcher's thread count). The
+Prefect home and MLflow database are always a temporary folder's, even when the caller (``make test``
+exports the stages' table) set the repository's: a test never touches the repository's runs.
 """
 
 import os
@@ -15,7 +16,7 @@ for key, value in {
     "PREFECT_HOME": str(_TMP / "prefect"),
     "MLFLOW_TRACKING_URI": f"sqlite:///{_TMP / 'mlflow.db'}",
 }.items():
-    os.environ.setdefault(key, value)
+    os.environ[key] = value
 apply_process_env({**PROCESS_ENV, **LAUNCHER_ENV})
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
