@@ -1,5 +1,8 @@
 """Stage ``evaluate@<ablation>-<seed>``: held-out accuracy of the trained policy (greedy, pass@k, by hop count).
 
+Also the greedy accuracy on as many training questions (``accuracy_train/*``): far above the held-out one
+means the policy memorised questions instead of learning the task.
+
 One run per arm and training seed (``--seed``, default the global seed), sampling with that seed
 (``run_config``). Besides ``data/eval/<ablation>/s<seed>.json`` it writes the DVC metrics file
 ``metrics/ablations/<ablation>/s<seed>.json``:
@@ -29,6 +32,7 @@ def evaluate_flow(params: str, ablation: str, seed: int | None = None) -> dict:
     from trace.params_file import load_config
     from trace.evaluation import evaluate_policy
     from trace.tracking import arm_result_metrics
+    from trace.tracking.names import TRAIN_ACCURACY_PREFIX
 
     base = load_config(params)
     env = build_environment(base)  # the task as prepared: built from the global seed
@@ -40,6 +44,10 @@ def evaluate_flow(params: str, ablation: str, seed: int | None = None) -> dict:
         metrics, _ = evaluate_policy(policy, env, evals, cfg.rollout, seed=cfg.seed,
                                      max_context_tokens=cfg.policy.max_context_tokens, pass_k=cfg.evaluate.pass_k,
                                      temperature=cfg.evaluate.temperature)
+        train_metrics, _ = evaluate_policy(policy, env, read_split("train")[: cfg.evaluate.num_prompts], cfg.rollout,
+                                           seed=cfg.seed, max_context_tokens=cfg.policy.max_context_tokens,
+                                           prefix=TRAIN_ACCURACY_PREFIX)  # memorisation: train vs held-out
+        metrics.update(train_metrics)
         summary = json.loads((out_dir / "summary.json").read_text())
         # the arm's results (arm/*) first: MLflow's compare view starts with a run's first metric
         run.log_metrics({**arm_result_metrics(metrics, summary, cfg.evaluate.pass_k), **metrics})

@@ -39,7 +39,8 @@ def report_flow(params: str) -> dict:
     from mlflow.tracking import MlflowClient
 
     from trace.params_file import load_config
-    from trace.report import first_runs, metrics_table, mlflow_links, render_markdown
+    from trace.report import first_runs, mlflow_links, render_markdown
+    from trace.report_json import metrics_table
     from trace.report_plots import write_plots
     from trace.tracking.experiment import resolve_tracking_uri, share_arms_view, ui_url
 
@@ -60,7 +61,8 @@ def report_flow(params: str) -> dict:
                                run_config(cfg, seeds[0]).params_hash(), cfg.evaluate.pass_k) if first else None
     links = mlflow_links(results, ui_url(cfg.tracking.tracking_uri), view_key)
     (REPORTS / "summary.md").write_text(render_markdown(results, warmup, cfg.evaluate.pass_k, links,
-                                                        [p.name for p in plots]))
+                                                        [p.name for p in plots],
+                                                        num_eval=cfg.evaluate.num_prompts))
     table = metrics_table(results, cfg.evaluate.pass_k)
     write_json(REPORTS / "metrics.json", {"warmup": warmup, "ablations": table})
     print((REPORTS / "summary.md").read_text())

@@ -22,6 +22,7 @@ def warmup_flow(params: str) -> dict:
     from trace.policy.build import build_policy
     from trace.policy.model import save_policy
     from trace.warmup import run_warmup
+    from trace.tracking.names import TRAIN_ACCURACY_PREFIX
 
     cfg = load_config(params)
     env = build_environment(cfg)
@@ -38,6 +39,10 @@ def warmup_flow(params: str) -> dict:
                                      max_context_tokens=cfg.policy.max_context_tokens, pass_k=cfg.evaluate.pass_k,
                                      temperature=cfg.evaluate.temperature)
         summary.update(metrics)
+        train_metrics, _ = evaluate_policy(policy, env, train[: cfg.evaluate.num_prompts], cfg.rollout, seed=cfg.seed,
+                                           max_context_tokens=cfg.policy.max_context_tokens,
+                                           prefix=TRAIN_ACCURACY_PREFIX)  # memorisation: train vs held-out
+        summary.update(train_metrics)
         run.log_metrics(summary)
         save_policy(policy, WARMUP_MODEL)
         write_json(METRICS / "warmup.json", summary)

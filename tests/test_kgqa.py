@@ -205,3 +205,60 @@ def test_impossible_configs_raise_with_a_fix():
         KGQAEnvironment(CFG, seed=0, max_turns=3)
     with pytest.raises(ValueError, match="is not a kgqa question"):
         KGQAEnvironment(CFG, seed=0).reset(Prompt("simulator", "x", "task", answer=None))
+
+
+AMBIGUOUS = CFG.model_copy(update={"ambiguous_relations": 2, "num_lookalikes": 2})
+
+
+def asks_ambiguous(prompt, k=2):
+    return any(int(r[1:]) < k for r in prompt.meta["relations"])
+
+
+def test_sheets_on_an_ambiguous_chain_list_lookalikes_of_other_entities_on_the_asked_relation():
+    env = KGQAEnvironment(AMBIGUOUS, seed=7, max_turns=5)
+    checked = 0
+    for prompt in env.prompts("train")[:200]:
+        path, rels = prompt.meta["path"], prompt.meta["relations"]
+        for entity, rel in zip(path[:-1], rels):
+            words = env.fact_sheet(prompt, entity).split()
+            lines = [tuple(words[i:i + 3]) for i in range(0, len(words), 4)]
+            looks = [line for line in lines if line[1] == rel and line[0] != entity]
+            if int(rel[1:]) < 2:
+                checked += 1
+                assert len(set(looks)) >= 2, (prompt.question, entity, lines)
+            for s, r, o in looks:  # look-alikes are true facts of their own subjects
+                assert (s, r, o) in env.facts(s)
+    assert checked > 50
+
+
+def test_sheets_of_questions_without_an_ambiguous_relation_are_unchanged():
+    plain, env = KGQAEnvironment(CFG, seed=7, max_turns=5), KGQAEnvironment(AMBIGUOUS, seed=7, max_turns=5)
+    prompts = [p for p in env.prompts("train")[:200] if not asks_ambiguous(p)]
+    assert len(prompts) > 20
+    for prompt in prompts:
+        for entity in prompt.meta["path"]:
+            assert env.fact_sheet(prompt, entity) == plain.fact_sheet(prompt, entity)
+
+
+def test_a_confused_solver_errs_only_on_ambiguous_questions_and_at_the_configured_rate():
+    sure = KGQAEnvironment(AMBIGUOUS, seed=7, max_turns=5)
+    always = KGQAEnvironment(AMBIGUOUS.model_copy(update={"demo_confusion": 1.0}), seed=7, max_turns=5)
+    half = KGQAEnvironment(AMBIGUOUS.model_copy(update={"demo_confusion": 0.5}), seed=7, max_turns=5)
+    prompts = always.prompts("train")
+    right = {name: [e.solve(p, seed=i)[-1] == f"finish [ {p.answer} ]" for i, p in enumerate(prompts)]
+             for name, e in (("sure", sure), ("always", always), ("half", half))}
+    amb = [asks_ambiguous(p) for p in prompts]
+    assert all(right["sure"])
+    assert all(r for r, a in zip(right["always"], amb) if not a)
+    wrong_always = sum(not r for r, a in zip(right["always"], amb) if a) / sum(amb)
+    wrong_half = sum(not r for r, a in zip(right["half"], amb) if a) / sum(amb)
+    assert wrong_always > 0.9  # a look-alike's object can coincide with the right one
+    assert 0.3 < wrong_half < 0.7
+    for prompt in prompts[:100]:  # every demonstration is a well-formed episode of the environment
+        _, results = play(always, prompt, always.solve(prompt))
+        assert results[-1].terminated
+
+
+def test_more_ambiguous_relations_than_relations_is_refused():
+    with pytest.raises(ValueError, match="ambiguous_relations"):
+        KGQAConfig(num_relations=3, facts_per_entity=2, ambiguous_relations=4)

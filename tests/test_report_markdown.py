@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from trace.report import TABLE_SUMMARY_KEYS, arm_statistics, metrics_table, render_markdown
+from trace.report import TABLE_SUMMARY_KEYS, arm_statistics, regime_summary, render_markdown
+from trace.report_json import metrics_table
 from trace.report_plots import AUDIT_PLOT, PLOTS, write_plots
 from trace.tracking.names import SUMMARY_METRIC_NAMES
 
@@ -91,14 +92,34 @@ THREE_SEEDS = {
 def test_summary_markdown_is_byte_for_byte_the_documented_report():
     links = {"runs": "http://ui/runs", "compare": "http://ui/compare"}
     text = render_markdown(ONE_SEED, {"accuracy/greedy": 0.3}, 2, links, ["a.png", "b.png"])
-    assert text == ("# Ablation report\n\nHeld-out greedy accuracy after warmup: **0.300**\n\n" + ONE_SEED_TEXT +
+    assert text == ("# Ablation report\n\nHeld-out greedy accuracy after warmup: **0.300**.\n"
+                    "- grpo's gain in held-out greedy accuracy over warmup: +0.100 (one seed, no interval).\n\n"
+                    + ONE_SEED_TEXT +
                     "Plots: `a.png`, `b.png`.\n\n"
                     "MLflow (`make ui`): [the arms' results](http://ui/runs) (`arm/acc`, `arm/eff_ratio`, ...), "
                     "[compare the arms](http://ui/compare).\n")
 
 
-def test_without_a_warmup_baseline_or_links_the_report_keeps_its_blank_lines():
-    assert render_markdown(ONE_SEED, {}, 2, None) == "# Ablation report\n\n\n\n" + ONE_SEED_TEXT[:-1]
+def test_without_a_warmup_baseline_or_links_the_report_starts_with_the_seeds():
+    assert render_markdown(ONE_SEED, {}, 2, None) == "# Ablation report\n\n" + ONE_SEED_TEXT[:-1]
+
+
+def test_the_regime_states_warmup_with_its_standard_error_grpos_waste_and_gain_in_standard_errors():
+    runs = {arm: {seed: {**res, "history": {**res["history"],
+                                           "mixed_group_ratio": [(0, 0.5 + 0.1 * seed), (1, 0.9)],
+                                           "predictor/root_auc": [(0, 0.7), (1, 0.8 + 0.01 * seed)]}}
+                  for seed, res in by_seed.items()} for arm, by_seed in THREE_SEEDS.items()}
+    warmup = {"accuracy/greedy": 0.2, "accuracy_train/greedy": 0.25}
+    regime = regime_summary(runs, warmup, num_eval=100)
+    assert regime["se"] == pytest.approx(0.04)  # sqrt(0.2 * 0.8 / 100)
+    assert regime["all_equal_first"].mean == pytest.approx(0.4)  # 1 - mean(0.5, 0.6, 0.7)
+    assert regime["all_equal"].mean == pytest.approx(1 - (0.7 + 0.75 + 0.8) / 3)
+    assert regime["gain"].mean == pytest.approx(0.15)  # grpo 0.40, 0.30, 0.35 against 0.2
+    assert regime["root_auc"]["trace"].mean == pytest.approx(0.755)
+    text = render_markdown(runs, warmup, 2, num_eval=100)
+    assert "Held-out greedy accuracy after warmup: **0.200** (standard error 0.040); on as many training " \
+           "questions 0.250" in text
+    assert "at its first step" in text and "+3.8 standard errors of the evaluation (real)" in text
 
 
 def test_three_seeds_show_intervals_and_call_only_intervals_that_exclude_zero_real():

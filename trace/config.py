@@ -13,20 +13,19 @@ import json
 from enum import Enum
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from trace.allocation.arms import ARMS, get_arm, root_budget_for
 from trace.allocation.registry import get_root_rule
 from trace.allocation.root import check_root_budget_feasible
+from trace.config_tasks import KGQAConfig, SimulatorConfig  # noqa: F401  (re-exported: task.kgqa, task.simulator)
+from trace.config_tasks import Section as _Section
 from trace.tasks import enum_members
+
 
 
 class ConfigError(ValueError):
     """A params file is missing, malformed, or holds an invalid / unknown key."""
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
 
 
 class Estimator(str, Enum):
@@ -50,41 +49,6 @@ class PredictorKind(str, Enum):
 # one member per task of the registry (trace.tasks.TASKS), in its order: KGQA = "kgqa", ..., API_BANK = "api_bank"
 TaskName = Enum("TaskName", enum_members(), type=str, module=__name__, qualname="TaskName")
 TaskName.__doc__ = "Task names (``task.name``), one per ``trace.tasks.TASKS`` entry."
-
-
-class KGQAConfig(_Section):
-    """Synthetic knowledge-graph multi-hop QA: generated deterministically from ``seed``."""
-
-    num_entities: int = Field(200, ge=10, description="entities in the graph")
-    num_relations: int = Field(6, ge=2, description="relation types")
-    facts_per_entity: int = Field(4, ge=1, description="outgoing facts per entity (distinct relations)")
-    min_hops: int = Field(1, ge=1, description="fewest relation hops in a question")
-    max_hops: int = Field(3, ge=1, description="most relation hops in a question")
-    num_distractors: int = Field(2, ge=0, description="distractor facts (about other entities) per fact sheet")
-    num_train: int = Field(2000, ge=1, description="training questions")
-    num_eval: int = Field(200, ge=1, description="held-out evaluation questions")
-
-    @model_validator(mode="after")
-    def _hops(self) -> "KGQAConfig":
-        if self.max_hops < self.min_hops:
-            raise ValueError(f"max_hops={self.max_hops} < min_hops={self.min_hops}: set max_hops >= min_hops")
-        if self.facts_per_entity > self.num_relations:
-            raise ValueError(
-                f"facts_per_entity={self.facts_per_entity} > num_relations={self.num_relations}: "
-                "each fact of an entity uses a distinct relation; lower facts_per_entity")
-        return self
-
-
-class SimulatorConfig(_Section):
-    """Martingale simulator with known truth (benchmarks)."""
-
-    num_prompts: int = Field(2000, ge=1, description="prompts, each with a latent success probability")
-    difficulty_alpha: float = Field(0.3, gt=0, description="Beta(a, b) of latent p: a < 1, b < 1 gives a U-shape")
-    difficulty_beta: float = Field(0.3, gt=0, description="second Beta parameter of latent p")
-    min_turns: int = Field(2, ge=1, description="fewest turns of a trajectory")
-    max_turns: int = Field(6, ge=1, description="most turns of a trajectory")
-    step_concentration: float = Field(4.0, gt=0, description="Beta step concentration: smaller moves V faster")
-    mean_tokens_per_turn: float = Field(40.0, gt=0, description="mean generated tokens per turn")
 
 
 class DataFileConfig(_Section):

@@ -17,7 +17,8 @@ import math
 from typing import Mapping, Sequence
 
 from trace.statistics import Interval, mean_interval, paired_difference, tokens_to_target
-from trace.tracking.names import GREEDY_ACCURACY, SUMMARY_METRIC_NAMES, metric_key, pass_at_k_name
+from trace.tracking.names import GREEDY_ACCURACY, SUMMARY_METRIC_NAMES, TRAIN_ACCURACY_PREFIX, metric_key, \
+    pass_at_k_name
 from trace.tracking.runs import finished_runs
 
 BASELINE = "grpo"  # the arm every other arm is paired against
@@ -28,7 +29,7 @@ AUDIT_KEYS = ("audit/expected_mixed_groups", "audit/mixed_groups", "audit/expect
 # per-step metrics of a train run read for the plots
 STEP_KEYS = ("effective_ratio", "effective_token_ratio", "reward/mean", "tokens/generated", "accuracy/eval",
              "tokens/cumulative", "rollout/cumulative_trajectories", "active_prompt_ratio", "predictor/brier",
-             *AUDIT_KEYS)
+             "mixed_group_ratio", "predictor/root_auc", *AUDIT_KEYS)
 # summary.md columns after the held-out accuracies: the training-summary keys whose run-level metric
 # (``SUMMARY_METRIC_NAMES``) each shows
 TABLE_SUMMARY_KEYS = ("mean/effective_ratio", "mean/effective_token_ratio", "mean/active_prompt_ratio",
@@ -197,6 +198,69 @@ def arm_statistics(results: dict, pass_k: int, confidence: float = CONFIDENCE) -
     return {"target": target, "arms": arms}
 
 
+def regime_summary(results: dict, warmup: dict, num_eval: int | None, confidence: float = CONFIDENCE) -> dict:
+    """The regime the arms were compared in: where warmup left the policy and how much ``grpo`` wasted and
+    gained.
+
+    Args:
+        results: ``collect_results`` output.
+        warmup: the warmup stage's metrics (``accuracy/greedy``, ``accuracy_train/greedy``), or ``{}``.
+        num_eval: held-out questions behind ``accuracy/greedy`` (``evaluate.num_prompts``), or None.
+        confidence: interval coverage.
+
+    Returns:
+        Any of: ``warmup`` (held-out greedy accuracy), ``se`` (its binomial standard error
+        ``sqrt(p (1 - p) / n)``), ``warmup_train`` (greedy accuracy on as many training questions),
+        ``all_equal_first`` / ``all_equal`` (Interval over seeds of grpo's share of all-success or all-fail
+        groups at its first step / averaged over its steps), ``gain`` (Interval over seeds of grpo's held-out
+        greedy accuracy minus ``warmup``), ``root_auc`` ({ablation: Interval over seeds of the per-step mean
+        ``predictor/root_auc``}).
+    """
+    out: dict = {}
+    base = warmup.get(GREEDY_ACCURACY)
+    if base is not None:
+        out["warmup"] = base
+        if num_eval:
+            out["se"] = math.sqrt(base * (1.0 - base) / num_eval)
+    if (train := warmup.get(f"{TRAIN_ACCURACY_PREFIX}/greedy")) is not None:
+        out["warmup_train"] = train
+    grpo = results.get(BASELINE, {})
+    mixed = [pts for res in grpo.values() if (pts := res["history"].get("mixed_group_ratio"))]
+    if mixed:
+        out["all_equal_first"] = mean_interval([1.0 - pts[0][1] for pts in mixed], confidence)
+        out["all_equal"] = mean_interval([1.0 - sum(v for _, v in pts) / len(pts) for pts in mixed], confidence)
+    gains = [res["eval"][GREEDY_ACCURACY] - base for res in grpo.values()
+             if base is not None and GREEDY_ACCURACY in res.get("eval", {})]
+    if gains:
+        out["gain"] = mean_interval(gains, confidence)
+    aucs = {abl: [sum(v for _, v in pts) / len(pts) for res in by_seed.values()
+                  if (pts := res["history"].get("predictor/root_auc"))] for abl, by_seed in results.items()}
+    out["root_auc"] = {abl: mean_interval(v, confidence) for abl, v in aucs.items() if v}
+    return out
+
+
+def _regime_lines(regime: dict) -> list[str]:
+    lines = []
+    if "warmup" in regime:
+        se = f" (standard error {regime['se']:.3f})" if "se" in regime else ""
+        train = (f"; on as many training questions {regime['warmup_train']:.3f} (a train accuracy far above the "
+                 "held-out one would mean memorised questions)") if "warmup_train" in regime else ""
+        lines.append(f"Held-out greedy accuracy after warmup: **{regime['warmup']:.3f}**{se}{train}.")
+    if "all_equal_first" in regime:
+        lines.append(f"- {BASELINE} groups with all-equal outcomes (no learning signal): "
+                     f"{format_interval(regime['all_equal_first'], 3)} at its first step, "
+                     f"{format_interval(regime['all_equal'], 3)} over its steps.")
+    if "gain" in regime:
+        gain = regime["gain"]
+        in_se = f" = {gain.mean / regime['se']:+.1f} standard errors of the evaluation" if regime.get("se") else ""
+        lines.append(f"- {BASELINE}'s gain in held-out greedy accuracy over warmup: "
+                     f"{format_interval(gain, 3, True, True)}{in_se} ({verdict(gain)}).")
+    if regime.get("root_auc"):
+        lines.append("- Root AUC of the success predictor (mean over steps): " + ", ".join(
+            f"{abl} {format_interval(iv, 3)}" for abl, iv in regime["root_auc"].items()) + ".")
+    return lines + [""] if lines else []
+
+
 def _num(value: float, digits: int, sign: bool = False) -> str:
     if not math.isfinite(value):
         return "nan"
@@ -235,7 +299,7 @@ def _seeds_line(seeds: list[int], confidence: float) -> str:
 
 
 def render_markdown(results: dict, warmup: dict, pass_k: int, links: dict[str, str] | None = None,
-                    plots: Sequence[str] = (), confidence: float = CONFIDENCE) -> str:
+                    plots: Sequence[str] = (), confidence: float = CONFIDENCE, num_eval: int | None = None) -> str:
     """``reports/summary.md``: the arms ranked by mean held-out greedy accuracy, the paired differences
     against ``grpo`` in words, tokens to grpo's final accuracy, the audit means, then the MLflow ``links``.
 
@@ -246,6 +310,7 @@ def render_markdown(results: dict, warmup: dict, pass_k: int, links: dict[str, s
         links: ``mlflow_links`` output, or None to leave the links out.
         plots: the PNG names written (``trace.report_plots.write_plots``), listed under the table.
         confidence: interval coverage.
+        num_eval: held-out questions of an evaluation (``evaluate.num_prompts``), for standard errors.
 
     Returns:
         The markdown text; a missing value shows as ``nan``.
@@ -255,9 +320,7 @@ def render_markdown(results: dict, warmup: dict, pass_k: int, links: dict[str, s
     order = sorted(arms, key=lambda a: tuple(-(x if math.isfinite(x) else -1.0) for x in (
         arms[a]["columns"]["eval greedy"].mean, arms[a]["columns"]["effective ratio"].mean)))
     columns = list(next(iter(arms.values()))["columns"]) if arms else []
-    base = warmup.get(GREEDY_ACCURACY)
-    lines = ["# Ablation report", "",
-             f"Held-out greedy accuracy after warmup: **{base:.3f}**" if base is not None else "", "",
+    lines = ["# Ablation report", "", *_regime_lines(regime_summary(results, warmup, num_eval, confidence)),
              _seeds_line(seeds_of(results), confidence) if results else "No runs.", "",
              "Ranked by mean held-out greedy accuracy after RL (ties: effective ratio). Training columns are "
              "means over steps;", "every arm samples the same number of trajectories per step.", "",
@@ -315,33 +378,3 @@ def render_markdown(results: dict, warmup: dict, pass_k: int, links: dict[str, s
         lines += [f"MLflow (`make ui`): [the arms' results]({links['runs']}) (`arm/acc`, `arm/eff_ratio`, ...), "
                   f"[compare the arms]({links['compare']}).", ""]
     return "\n".join(lines)
-
-
-def _json_interval(iv: Interval | None) -> dict | None:
-    if iv is None:
-        return None
-
-    def clean(x: float) -> float | None:
-        return float(x) if math.isfinite(x) else None
-
-    return {"mean": clean(iv.mean), "low": clean(iv.low), "high": clean(iv.high), "n": iv.n}
-
-
-def metrics_table(results: dict, pass_k: int, confidence: float = CONFIDENCE) -> dict[str, dict]:
-    """``reports/metrics.json``'s ablations: per arm, per seed (``s<seed>``) its ``arm/*`` results and its
-    evaluate metrics under ``eval/``, and the statistics of ``arm_statistics`` (intervals as
-    ``{"mean", "low", "high", "n"}``, undefined bounds as null; a paired difference with ``real``)."""
-    stats = arm_statistics(results, pass_k, confidence)["arms"]
-    out: dict[str, dict] = {}
-    for abl, by_seed in results.items():
-        st = stats[abl]
-        entry: dict = {f"s{seed}": {**res["summary"], **{f"eval/{k}": v for k, v in res.get("eval", {}).items()}}
-                       for seed, res in by_seed.items()}
-        entry["mean"] = {c: _json_interval(iv) for c, iv in st["columns"].items()}
-        if "vs_grpo" in st:
-            entry["vs_grpo"] = {c: {**_json_interval(iv), "real": iv.excludes_zero} for c, iv in st["vs_grpo"].items()}
-        entry["tokens_to_grpo_final"] = _json_interval(st["tokens_to_target"])
-        if st["audit"]:
-            entry["audit"] = {k: _json_interval(iv) for k, iv in st["audit"].items()}
-        out[abl] = entry
-    return out

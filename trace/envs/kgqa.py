@@ -27,57 +27,33 @@ The task:
 Difficulty grows with the hop count: a k-hop question needs k correct line selections in a row, so a
 partly trained policy solves 1-hop questions far more often than 3-hop ones.
 
+Ambiguous relations (``ambiguous_relations = k``: relations ``r0 .. r{k-1}``) add decision points whose
+difficulty the question shows: in an episode whose question asks for an ambiguous relation ``r``, the fact
+sheet of an entity that has ``r`` also lists ``num_lookalikes`` facts ``(other, r, object)`` of other entities
+on that same relation, so only the subject tells the right line from its look-alike. The solver's
+demonstrations can carry a teacher's confusion there (``demo_confusion``): at an ambiguous hop it follows a
+look-alike's object with that probability and goes on from the wrong entity (finishing with the last entity
+it reached when the chain breaks), so the SFT policy learns to guess at those turns and RL has a decision to
+learn: the turn after such a search is where a plausible wrong action is common.
+
 Simplifications: one fact per (entity, relation); questions are balanced across hop counts; train and
 eval questions are disjoint (start, chain) pairs over one shared graph.
 """
 
 from __future__ import annotations
 
-import hashlib
 from typing import Literal, Sequence
 
 import numpy as np
 
 from trace.config import KGQAConfig
 from trace.envs.base import EnvState, EpisodeFinishedError, Prompt, StepResult
-
-DATA_SOURCE = "kgqa"
-OBSERVATION_MARKER = "Observation:"
-INVALID_ACTION = "invalid action"
-NO_RESULT = "no result"
-SEARCH, FINISH = "search", "finish"
-
-# words other than entities and relations, in the order vocabulary() lists them
-_FIXED_WORDS = ("question", ":", "of", "?", SEARCH, FINISH, "[", "]", ";", "invalid", "action", "no", "result",
-                OBSERVATION_MARKER)
+from trace.envs.kgqa_solver import solve as _solve
+from trace.envs.kgqa_words import (  # noqa: F401  (re-exported: the action grammar)
+    DATA_SOURCE, FINISH, FIXED_WORDS, INVALID_ACTION, NO_RESULT, OBSERVATION_MARKER, SEARCH, parse_action,
+    stable_seed)
 
 Question = tuple[int, tuple[int, ...]]  # (start entity, relations in application order)
-
-
-def _stable_seed(*parts: object) -> int:
-    """A 64-bit seed from a hash of ``parts`` (stable across processes, unlike ``hash``)."""
-    digest = hashlib.blake2b("\x1f".join(str(p) for p in parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
-
-
-def parse_action(text: str, marker: str = OBSERVATION_MARKER) -> tuple[str, str] | None:
-    """Parse the first well-formed ``search [ X ]`` / ``finish [ X ]`` from a policy turn.
-
-    Args:
-        text: the policy's turn text; anything from the first ``marker`` on is ignored.
-        marker: the observation marker.
-
-    Returns:
-        ``(tool, argument)`` with ``tool`` in ``{"search", "finish"}`` and a one-word argument, or ``None``
-        when the text holds no well-formed action (empty brackets, several words in the brackets, an unknown
-        tool, punctuation glued to words).
-    """
-    words = text.split(marker, 1)[0].split()
-    for i in range(len(words) - 3):
-        if words[i] in (SEARCH, FINISH) and words[i + 1] == "[" and words[i + 3] == "]":
-            if words[i + 2] not in ("[", "]"):
-                return words[i], words[i + 2]
-    return None
 
 
 def _split_evenly(total: int, capacity: dict[int, int]) -> dict[int, int]:
@@ -149,7 +125,7 @@ class KGQAEnvironment:
     # ---- generation -------------------------------------------------------------------------------
     def _build_graph(self) -> np.ndarray:
         cfg = self.cfg
-        rng = np.random.default_rng(_stable_seed(self.seed, "kgqa-graph"))
+        rng = np.random.default_rng(stable_seed(self.seed, "kgqa-graph"))
         objects = np.full((cfg.num_entities, cfg.num_relations), -1, dtype=np.int64)
         for subject in range(cfg.num_entities):
             rels = rng.choice(cfg.num_relations, size=cfg.facts_per_entity, replace=False)
@@ -171,7 +147,7 @@ class KGQAEnvironment:
 
     def _sample_questions(self) -> list[Question]:
         cfg = self.cfg
-        rng = np.random.default_rng(_stable_seed(self.seed, "kgqa-questions"))
+        rng = np.random.default_rng(stable_seed(self.seed, "kgqa-questions"))
         out: list[Question] = []
         for hops, quota in self._hop_quotas(cfg.num_train + cfg.num_eval).items():
             capacity = cfg.num_entities * cfg.facts_per_entity ** hops
@@ -199,7 +175,7 @@ class KGQAEnvironment:
 
     def _split(self, questions: list[Question]) -> tuple[list[Question], list[Question]]:
         """Hold out ``num_eval`` questions balanced across hop counts; both splits in a shuffled order."""
-        rng = np.random.default_rng(_stable_seed(self.seed, "kgqa-split"))
+        rng = np.random.default_rng(stable_seed(self.seed, "kgqa-split"))
         by_hops: dict[int, list[Question]] = {}
         for q in questions:
             by_hops.setdefault(len(q[1]), []).append(q)
@@ -260,7 +236,7 @@ class KGQAEnvironment:
             The fixed words (``question : of ? search finish [ ] ; invalid action no result Observation:``),
             then ``e0 .. e{N-1}``, then ``r0 .. r{R-1}``.
         """
-        return list(_FIXED_WORDS) + self.entities + self.relations
+        return list(FIXED_WORDS) + self.entities + self.relations
 
     def facts(self, entity: str) -> list[tuple[str, str, str]]:
         """The facts ``(subject, relation, object)`` of ``entity``, by relation id.
@@ -289,7 +265,7 @@ class KGQAEnvironment:
         """
         lines = self.facts(entity)
         subject = self._entity_idx[entity]
-        rng = np.random.default_rng(_stable_seed(self.seed, "kgqa-sheet", prompt.prompt_uid, entity))
+        rng = np.random.default_rng(stable_seed(self.seed, "kgqa-sheet", prompt.prompt_uid, entity))
         num_distractors = min(self.cfg.num_distractors, self.cfg.num_entities - 1)
         others = rng.choice(self.cfg.num_entities - 1, size=num_distractors, replace=False)
         own = set(int(r) for r in self._relations_of[subject])
@@ -300,8 +276,25 @@ class KGQAEnvironment:
             pool = shared if shared else [int(r) for r in rels]
             rel = pool[int(rng.integers(len(pool)))]
             lines.append((self.entities[other], self.relations[rel], self.entities[int(self._object[other, rel])]))
+        lines += self._lookalikes(prompt, subject, own, rng)
         order = rng.permutation(len(lines))
         return " ".join(f"{s} {r} {o} ;" for s, r, o in (lines[i] for i in order))
+
+    def _lookalikes(self, prompt: Prompt, subject: int, own: set[int], rng: np.random.Generator) -> list:
+        """Facts of other entities on each ambiguous relation of ``prompt``'s question that ``subject`` has.
+
+        Draws from ``rng`` only when there is such a relation, so sheets without one are unchanged.
+        """
+        cfg = self.cfg
+        asked = {self._relation_idx[r] for r in prompt.meta.get("relations", ()) if r in self._relation_idx}
+        out = []
+        for rel in sorted(r for r in asked & own if r < cfg.ambiguous_relations):
+            others = np.flatnonzero(self._object[:, rel] >= 0)
+            others = others[others != subject]
+            picks = rng.choice(len(others), size=min(cfg.num_lookalikes, len(others)), replace=False)
+            out += [(self.entities[int(others[i])], self.relations[rel], self.entities[int(self._object[others[i], rel])])
+                    for i in sorted(picks)]
+        return out
 
     # ---- episodes ---------------------------------------------------------------------------------
     def reset(self, prompt: Prompt) -> tuple[EnvState, str]:
@@ -351,48 +344,9 @@ class KGQAEnvironment:
 
     # ---- demonstrations ---------------------------------------------------------------------------
     def solve(self, prompt: Prompt, *, demo_noise: float = 0.0, seed: int = 0) -> list[str]:
-        """The solver's action texts for ``prompt``: search each entity along the chain, then finish.
-
-        Every action but the last ends with `` Observation:`` (where generation stops for the tool).
-
-        Args:
-            prompt: a kgqa prompt of this environment.
-            demo_noise: probability in ``[0, 1]`` that the demonstration makes one wrong search (an object
-                of a wrong line of the previous fact sheet, or a random entity at the first hop) and then
-                corrects itself with the right search; applied only when the extra turn fits ``max_turns``.
-            seed: seed of the noise decision and the wrong entity (hashed with the prompt uid).
-
-        Returns:
-            Action texts, e.g. ``["search [ e17 ] Observation:", "search [ e33 ] Observation:",
-            "finish [ e42 ]"]``.
+        """The solver's action texts for ``prompt`` (``trace.envs.kgqa_solver.solve``, which documents them).
 
         Raises:
             ValueError: if the prompt's chain does not lead to its answer in this graph.
         """
-        start, rels = prompt.meta.get("start"), prompt.meta.get("relations")
-        if start not in self._entity_idx or not isinstance(rels, list):
-            raise ValueError(f"prompt {prompt.prompt_uid!r} has no meta start/relations of this graph")
-        path = [self._entity_idx[start]]
-        for rel in rels:
-            nxt = int(self._object[path[-1], self._relation_idx[rel]]) if rel in self._relation_idx else -1
-            if nxt < 0:
-                raise ValueError(f"prompt {prompt.prompt_uid!r}: relation {rel!r} does not hold on its chain here")
-            path.append(nxt)
-        if self.entities[path[-1]] != prompt.answer:
-            raise ValueError(f"prompt {prompt.prompt_uid!r}: its chain leads to {self.entities[path[-1]]}, not "
-                             f"its answer {prompt.answer!r}; was it generated with another seed or config?")
-        searches = [self.entities[e] for e in path[:-1]]
-        rng = np.random.default_rng(_stable_seed(seed, "kgqa-demo", prompt.prompt_uid))
-        if demo_noise > 0 and rng.random() < demo_noise and len(searches) + 2 <= self.max_turns:
-            hop = int(rng.integers(len(searches)))
-            if hop == 0:
-                candidates = [e for e in self.entities if e != searches[0]]
-            else:
-                sheet = self.fact_sheet(prompt, searches[hop - 1]).split()
-                candidates = sorted({sheet[i + 2] for i in range(0, len(sheet), 4)} - {searches[hop]})
-            wrong = candidates[int(rng.integers(len(candidates)))]
-            searches = searches[:hop] + [wrong] + searches[hop:]
-        actions = [f"{SEARCH} [ {e} ] {OBSERVATION_MARKER}" for e in searches]
-        actions.append(f"{FINISH} [ {prompt.answer} ]")
-        return actions
-
+        return _solve(self, prompt, demo_noise=demo_noise, seed=seed)

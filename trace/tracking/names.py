@@ -37,6 +37,7 @@ SUMMARY_METRIC_NAMES: dict[str, str] = {
     "train/steps": "arm/steps",
 }
 HELDOUT_ACCURACY = "arm/acc"  # evaluate stage: held-out greedy accuracy of the trained policy
+TRAIN_ACCURACY_PREFIX = "accuracy_train"  # greedy accuracy on training questions (memorisation check)
 GREEDY_ACCURACY = "accuracy/greedy"  # trace.evaluation metric whose value HELDOUT_ACCURACY carries
 HEADLINE_METRICS = (HELDOUT_ACCURACY, "arm/eff_ratio")
 

@@ -1,0 +1,38 @@
+"""``reports/metrics.json``: the report's statistics as strict JSON (``trace.report.arm_statistics``)."""
+
+from __future__ import annotations
+
+import math
+
+from trace.report import CONFIDENCE, arm_statistics
+from trace.statistics import Interval
+
+
+def _json_interval(iv: Interval | None) -> dict | None:
+    if iv is None:
+        return None
+
+    def clean(x: float) -> float | None:
+        return float(x) if math.isfinite(x) else None
+
+    return {"mean": clean(iv.mean), "low": clean(iv.low), "high": clean(iv.high), "n": iv.n}
+
+
+def metrics_table(results: dict, pass_k: int, confidence: float = CONFIDENCE) -> dict[str, dict]:
+    """``reports/metrics.json``'s ablations: per arm, per seed (``s<seed>``) its ``arm/*`` results and its
+    evaluate metrics under ``eval/``, and the statistics of ``arm_statistics`` (intervals as
+    ``{"mean", "low", "high", "n"}``, undefined bounds as null; a paired difference with ``real``)."""
+    stats = arm_statistics(results, pass_k, confidence)["arms"]
+    out: dict[str, dict] = {}
+    for abl, by_seed in results.items():
+        st = stats[abl]
+        entry: dict = {f"s{seed}": {**res["summary"], **{f"eval/{k}": v for k, v in res.get("eval", {}).items()}}
+                       for seed, res in by_seed.items()}
+        entry["mean"] = {c: _json_interval(iv) for c, iv in st["columns"].items()}
+        if "vs_grpo" in st:
+            entry["vs_grpo"] = {c: {**_json_interval(iv), "real": iv.excludes_zero} for c, iv in st["vs_grpo"].items()}
+        entry["tokens_to_grpo_final"] = _json_interval(st["tokens_to_target"])
+        if st["audit"]:
+            entry["audit"] = {k: _json_interval(iv) for k, iv in st["audit"].items()}
+        out[abl] = entry
+    return out
