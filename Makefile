@@ -1,6 +1,7 @@
 # Two commands do all set-up on a fresh machine:
 #   make run    create .venv, then run the whole pipeline (dvc repro) on the embedded default task
 #   make test   create .venv, then run the test suite
+#   make run-grid  the same pipeline over every arm (the full grid) as a DVC experiment
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
@@ -12,7 +13,7 @@ $(foreach assignment,$(shell $(PYTHON) -m trace.process_env --make),$(eval expor
 export PYTHONDONTWRITEBYTECODE :=
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: venv run test ui serve
+.PHONY: venv run run-grid test ui serve
 
 venv: $(STAMP)
 
@@ -32,6 +33,15 @@ run: venv
 	@$(BIN)/python -m flows.check_params || exit 1; \
 	  export PREFECT_API_URL=$$($(BIN)/python -m flows.server ensure --port $(PORT)) && \
 	  PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/dvc repro; status=$$?; \
+	  $(BIN)/python -m flows.server stop >/dev/null; exit $$status
+
+# The full grid: every registered arm (trace.allocation.arms.ARMS) x train.seeds, as an experiment of
+# params.yaml (dvc exp run -S train.ablations=[...]); the shared stages come from the cache when unchanged.
+run-grid: venv
+	@arms=$$($(BIN)/python -c "from trace.allocation.arms import ARMS; print(','.join(ARMS))") && \
+	  $(BIN)/python -m flows.check_params -S "train.ablations=[$$arms]" || exit 1; \
+	  export PREFECT_API_URL=$$($(BIN)/python -m flows.server ensure --port $(PORT)) && \
+	  PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/dvc exp run -S "train.ablations=[$$arms]"; status=$$?; \
 	  $(BIN)/python -m flows.server stop >/dev/null; exit $$status
 
 test: venv

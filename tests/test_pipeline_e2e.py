@@ -88,7 +88,11 @@ def test_pipeline_runs_end_to_end_then_caches_and_reruns_only_downstream_of_a_ch
         assert (project_dir / "data" / "runs" / ablation / "s0" / "final").is_dir()
         evaluated = json.loads((project_dir / "data" / "eval" / ablation / "s0.json").read_text())
         assert (evaluated["ablation"], evaluated["seed"]) == (ablation, 0)
+        assert 0.0 <= evaluated["accuracy_train/greedy"] <= 1.0  # memorisation: training questions beside held-out
+    warmup = json.loads((project_dir / "metrics" / "warmup.json").read_text())
+    assert "accuracy_train/greedy" in warmup and "accuracy/greedy" in warmup
     assert "one seed, no interval" in summary and "## Against grpo" in summary
+    assert "grpo's gain in held-out greedy accuracy over warmup" in summary and "(standard error" in summary
     for png in ("effective_ratio.png", "accuracy_vs_tokens.png", "accuracy_vs_trajectories.png", "reward.png",
                 "tokens.png"):
         assert (project_dir / "reports" / png).stat().st_size > 1000
