@@ -40,7 +40,7 @@ STAGE_PARAMS: dict[str, tuple[str, ...]] = {
     "train": ("seed", "task", "policy", "rollout", "predictor", "allocation", "advantages", "update",
               "train.num_steps", "train.checkpoint_every", "train.eval_every", "train.eval_prompts"),
     "evaluate": ("seed", "task", "policy", "rollout", "evaluate"),
-    "report": ("seed", "train.ablations", "train.seeds", "evaluate.pass_k", "tracking"),
+    "report": ("seed", "train.ablations", "train.seeds", "evaluate.pass_k", "evaluate.num_prompts", "tracking"),
 }
 
 
