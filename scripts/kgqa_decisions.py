@@ -44,7 +44,7 @@ def decision_probabilities(policy, env, prompts: Sequence) -> dict[str, np.ndarr
         actions = [node for node in tree.nodes if node.turn_idx >= 0]
         for hop, rel in enumerate(prompt.meta["relations"]):
             entity_logprob = actions[hop + 1].logprobs[2]  # the action's words: tool [ entity ] ...
-            kind = "ambiguous" if int(rel[1:]) < env.cfg.ambiguous_relations else "plain"
+            kind = "ambiguous" if env.is_ambiguous(rel) else "plain"
             out[kind].append(math.exp(entity_logprob))
     return {k: np.asarray(v, dtype=np.float64) for k, v in out.items()}
 
@@ -63,8 +63,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     cfg = load_config(args.params)
     env = build_environment(cfg)
     prompts = env.prompts("eval")[: cfg.evaluate.num_prompts]
-    num_ambiguous = np.array([sum(int(r[1:]) < cfg.task.kgqa.ambiguous_relations for r in p.meta["relations"])
-                              for p in prompts])
+    num_ambiguous = np.array([sum(map(env.is_ambiguous, p.meta["relations"])) for p in prompts])
     for path in args.policies:
         policy = load_policy(path)
         _, trees = evaluate_policy(policy, env, prompts, cfg.rollout, seed=cfg.seed,

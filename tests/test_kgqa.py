@@ -233,6 +233,7 @@ def test_sheets_on_an_ambiguous_chain_list_lookalikes_of_other_entities_on_the_a
 
 def test_sheets_of_questions_without_an_ambiguous_relation_are_unchanged():
     plain, env = KGQAEnvironment(CFG, seed=7, max_turns=5), KGQAEnvironment(AMBIGUOUS, seed=7, max_turns=5)
+    assert [env.is_ambiguous(r) for r in ("r0", "r1", "r2", "r9")] == [True, True, False, False]
     prompts = [p for p in env.prompts("train")[:200] if not asks_ambiguous(p)]
     assert len(prompts) > 20
     for prompt in prompts:

@@ -238,6 +238,10 @@ class KGQAEnvironment:
         """
         return list(FIXED_WORDS) + self.entities + self.relations
 
+    def is_ambiguous(self, relation: str) -> bool:
+        """Whether ``relation`` (``"r3"``) is one of the ``kgqa.ambiguous_relations`` whose sheets hold look-alikes."""
+        return self._relation_idx.get(relation, self.cfg.num_relations) < self.cfg.ambiguous_relations
+
     def facts(self, entity: str) -> list[tuple[str, str, str]]:
         """The facts ``(subject, relation, object)`` of ``entity``, by relation id.
 

@@ -93,7 +93,7 @@ def confused_path(env: "KGQAEnvironment", prompt: Prompt, seed: int) -> list[str
         nxt = _objects(env, node).get(rel)
         if nxt is None:
             break
-        if int(rel[1:]) < env.cfg.ambiguous_relations and rng.random() < env.cfg.demo_confusion:
+        if env.is_ambiguous(rel) and rng.random() < env.cfg.demo_confusion:
             sheet = env.fact_sheet(prompt, node).split()
             looks = [sheet[i + 2] for i in range(0, len(sheet), 4) if sheet[i + 1] == rel and sheet[i] != node]
             if looks:
