@@ -7,6 +7,7 @@ The flows are thin: they load the typed config, call library functions, write th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 from pathlib import Path
 
@@ -145,9 +146,11 @@ def load_stage_policy(cfg, path: Path):
     return load_policy(path, dtype=cfg.policy.dtype)
 
 
-def stage_main(flow_fn, description: str, *, ablation: bool = False, argv: list[str] | None = None):
+def stage_main(flow_fn, description: str, *, ablation: bool = False, argv: list[str] | None = None,
+               orchestrate: bool = True):
     """Command-line entry of a stage: parse ``--params`` (and ``--ablation``, ``--seed``), validate the params (a bad
-    value exits with its key, value, rule and fix, no traceback), set the environment, run the stage's flow."""
+    value exits with its key, value, rule and fix, no traceback), set the environment, run the stage's flow.
+    ``orchestrate=False`` (a training rank other than 0, which runs ``flow.fn``): no Prefect API calls."""
     from trace.config import ConfigError
 
     args = stage_args(description, ablation=ablation, argv=argv)
@@ -169,5 +172,5 @@ def stage_main(flow_fn, description: str, *, ablation: bool = False, argv: list[
         run_config(cfg, seed)
     except ValueError as err:
         raise SystemExit(f"{err} ({args.params})") from None
-    with owned_flow_runs():
+    with owned_flow_runs() if orchestrate else contextlib.nullcontext():
         return flow_fn(args.params, args.ablation, seed)

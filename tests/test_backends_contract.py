@@ -316,6 +316,21 @@ def test_replica_devices_split_the_visible_gpus_into_tensor_parallel_slices():
         replica_devices(2, 2, visible=["0", "1", "2"])
 
 
+def test_each_data_parallel_training_rank_starts_its_engine_on_its_own_gpu(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: 2 ranks on this node
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert replica_devices(1, 1, visible=["4", "5"]) == ["5"]
+    assert replica_devices(1, 1, visible=[]) == [None]  # CPU
+    with pytest.raises(ValueError, match="vllm_data_parallel_size and vllm_tensor_parallel_size to 1"):
+        replica_devices(2, 1, visible=["0", "1", "2", "3"])
+    with pytest.raises(ValueError, match="2 training ranks on this node but 1 GPUs"):
+        replica_devices(1, 1, visible=["0"])
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setenv("LOCAL_SIZE", "2")  # DeepSpeed's launcher names it so
+    assert replica_devices(1, 1, visible=["4", "5"]) == ["5"]
+
+
 def test_routing_keeps_a_trajectory_on_the_replica_holding_its_prefix_and_balances_the_rest():
     # served before: [1 2 3 4] + generated [5 6] on replica 1
     from trace.policy.vllm_requests import _rolling_hashes

@@ -45,8 +45,10 @@ def test_state_file_holds_the_counters_in_the_order_resume_reads_them(tmp_path):
     assert state_path(tmp_path) == tmp_path / CHECKPOINT_DIR / STATE_FILE
     state = json.loads(state_path(tmp_path).read_text())
     assert list(state) == ["next_step", "tag", "params_hash", "ablation", "cumulative_tokens",
-                           "cumulative_trajectories", "history"]
+                           "cumulative_trajectories", "world_size", "zero_stage", "history"]
     assert state["tag"] == "step000002" and state["next_step"] == 2 and len(state["history"]) == 2
+    # what a resume at another world size needs to know: whose shards these are
+    assert state["world_size"] == 1 and state["zero_stage"] == 0
 
 
 def test_a_new_checkpoint_removes_the_older_tags_and_predictor_files(tmp_path):
@@ -81,3 +83,36 @@ def test_no_checkpoint_loads_nothing(tmp_path):
     assert load_checkpoint(tmp_path, updater=updater, predictor=DictPredictor(), params_hash="h",
                            ablation="trace") is None
     assert updater.loaded_tags == [] and tmp_path.exists()
+
+
+def test_a_zero_checkpoint_of_another_world_size_is_converted_to_a_universal_one_before_loading(tmp_path,
+                                                                                                 monkeypatch):
+    import trace.update
+
+    _write(tmp_path, 2)
+    state = json.loads(state_path(tmp_path).read_text())
+    state.update(world_size=2, zero_stage=2)  # written by 2 ranks under ZeRO-2; this process is 1 rank
+    state_path(tmp_path).write_text(json.dumps(state))
+    converted = []
+
+    def convert(folder, tag, out_tag):
+        converted.append((tag, out_tag))
+        (folder / out_tag).mkdir()
+
+    class UniversalUpdater(RecordingUpdater):
+        def load_checkpoint(self, folder, tag, universal=False):
+            assert (folder / tag).is_dir()
+            self.loaded_tags.append((tag, universal))
+
+    monkeypatch.setattr(trace.update, "convert_to_universal_checkpoint", convert)
+    updater = UniversalUpdater()
+    load_checkpoint(tmp_path, updater=updater, predictor=DictPredictor(), params_hash="h", ablation="trace")
+    assert converted == [("step000002", "step000002_universal.partial")]
+    assert updater.loaded_tags == [("step000002_universal", True)]
+    # a second resume reuses the finished conversion
+    load_checkpoint(tmp_path, updater=updater, predictor=DictPredictor(), params_hash="h", ablation="trace")
+    assert len(converted) == 1
+    state.update(zero_stage=0)  # stage 0 holds the whole optimizer state: loads into any world size as it is
+    state_path(tmp_path).write_text(json.dumps(state))
+    load_checkpoint(tmp_path, updater=updater, predictor=DictPredictor(), params_hash="h", ablation="trace")
+    assert updater.loaded_tags[-1] == ("step000002", False)

@@ -200,6 +200,63 @@ def test_a_killed_dvc_exp_run_resumes_training_and_records_the_experiment(projec
     assert resumed_metrics == json.loads((project_dir / "metrics" / "ablations" / "dapo" / "s0.json").read_text())
 
 
+def _train_runs(project_dir: Path, resume_hash: str, ablation: str) -> int:
+    """MLflow train runs of ``ablation`` with that resume hash."""
+    with sqlite3.connect(project_dir / "mlflow.db") as db:
+        return db.execute(
+            "select count(*) from runs r join tags a on a.run_uuid = r.run_uuid and a.key = 'trace.ablation' "
+            "join tags h on h.run_uuid = r.run_uuid and h.key = 'trace.params_hash' "
+            "join tags s on s.run_uuid = r.run_uuid and s.key = 'trace.stage' "
+            "where a.value = ? and h.value = ? and s.value = 'train'", (ablation, resume_hash)).fetchone()[0]
+
+
+def _tree_rows(trees_root: Path) -> list[tuple]:
+    from trace.tree_io import read_trees, tree_files
+
+    return [(step, tree.tree_id, n.node_id, tuple(n.token_ids), n.reward)
+            for _, step, path in tree_files(trees_root) for tree in read_trees(path) for n in tree.nodes]
+
+
+def test_a_train_stage_launched_on_two_ranks_writes_one_run_and_the_trees_one_process_writes(project):
+    """`dvc exp run -S launch.launcher=torchrun -S launch.num_processes=2`: the stage command starts torchrun, two
+    gloo ranks train, rank 0 alone writes; the same params in one process sample the same trees."""
+    from trace.params_file import load_config
+
+    project_dir, env = project
+    env = {**env, "OMP_NUM_THREADS": "1"}  # one thread per rank in both runs
+    subprocess.run(["git", "checkout", "params.yaml"], cwd=project_dir, check=True)
+    before = _store_dirs(project_dir, "trace")
+    out = _dvc(project_dir, env, "exp", "run", "-S", "launch.launcher=torchrun", "-S", "launch.num_processes=2",
+               "-S", "advantages.clip=3.0", "-S", "train.ablations=[trace]")
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert "launching:" in out.stdout and "--nproc_per_node 2" in out.stdout, out.stdout[-4000:]
+    cfg = load_config(project_dir / "params.yaml")
+    assert cfg.launch.num_processes == 2 and cfg.advantages.clip == 3.0
+    assert _train_runs(project_dir, cfg.resume_hash(), "trace") == 1  # one MLflow run, not one per rank
+    assert _step_history(project_dir, cfg.resume_hash(), "trace") == [0, 1, 2]  # each step logged once
+    trees_root = project_dir / "data" / "runs" / "trace" / "s0" / "trees"
+    two_ranks = _tree_rows(trees_root)
+    assert len({step for step, *_ in two_ranks}) == cfg.train.num_steps  # one Parquet file a step
+    summary = json.loads((project_dir / "data" / "runs" / "trace" / "s0" / "summary.json").read_text())
+
+    new = _store_dirs(project_dir, "trace") - before
+    assert len(new) == 1
+    shutil.rmtree(new.pop())  # the same params in one process, from an empty checkpoint folder
+    import yaml
+
+    params = yaml.safe_load((project_dir / "params.yaml").read_text())
+    params.pop("launch")
+    (project_dir / "one_process.yaml").write_text(yaml.safe_dump(params))
+    one = subprocess.run([sys.executable, "-m", "flows.train", "--ablation", "trace",
+                          "--params", str(project_dir / "one_process.yaml")], cwd=project_dir,
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert one.returncode == 0 and "launching:" not in one.stdout, one.stdout[-3000:] + one.stderr[-3000:]
+    assert _tree_rows(trees_root) == two_ranks
+    one_summary = json.loads((project_dir / "data" / "runs" / "trace" / "s0" / "summary.json").read_text())
+    assert _without_times(one_summary) == pytest.approx(_without_times(summary), rel=1e-6, nan_ok=True)
+    subprocess.run(["git", "checkout", "params.yaml"], cwd=project_dir, check=True)
+
+
 def test_a_bad_param_stops_dvc_exp_run_at_the_check_before_any_other_stage(project):
     project_dir, env = project
     subprocess.run(["git", "checkout", "params.yaml"], cwd=project_dir, check=True)

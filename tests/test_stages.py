@@ -34,8 +34,9 @@ def test_the_params_check_stage_tracks_every_param():
 def test_params_a_stage_need_not_list_are_those_the_params_hash_ignores():
     cfg = load_config(TINY)
     changed = load_config(TINY, overrides={"train.ablations": ["grpo"], "train.steps_per_task": 7,
-                                           "tracking.experiment_name": "other", "train.seeds": [0, 4]})
-    assert NON_RESULT_PARAMS == ("train.ablations", "train.seeds", "train.steps_per_task", "tracking")
+                                           "tracking.experiment_name": "other", "train.seeds": [0, 4],
+                                           "launch": {"launcher": "torchrun", "num_processes": 2}})
+    assert NON_RESULT_PARAMS == ("train.ablations", "train.seeds", "train.steps_per_task", "tracking", "launch")
     assert changed.params_hash() == cfg.params_hash()
 
 

@@ -5,6 +5,11 @@ predictor file ``predictor.pt.<tag>`` and the train state JSON (``train_state.js
 hash, arm, cumulative counters, per-step metrics history). The state file is written last and atomically,
 so it only ever names a tag whose files are complete; older tags are removed after it is written. A
 checkpoint of other params (``Config.resume_hash``) or another arm is never loaded.
+
+Several ranks: every rank writes its DeepSpeed shards; rank 0 alone writes the predictor and state files
+(after every rank's shards are complete) and removes old tags. The state file records the world size and
+ZeRO stage; a ZeRO-1/2/3 checkpoint resumed at another world size is converted to a DeepSpeed universal
+checkpoint first (``trace.update.convert_to_universal_checkpoint``), which loads into any number of ranks.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from trace.parallel import barrier, broadcast_object, is_main_process, world_size
 from trace.tree_io import atomic_write_bytes
 
 CHECKPOINT_DIR = "checkpoint"
@@ -44,11 +50,16 @@ def write_checkpoint(run_dir: str | Path, step_done: int, *, updater: Any, predi
     """
     ckpt = Path(run_dir) / CHECKPOINT_DIR
     tag = f"step{step_done:06d}"
-    updater.save_checkpoint(ckpt, tag=tag)
+    updater.save_checkpoint(ckpt, tag=tag)  # every rank: its shards
+    barrier()
+    if not is_main_process():
+        barrier()
+        return
     predictor.save(ckpt / f"{PREDICTOR_FILE}.{tag}")
     state = {"next_step": step_done, "tag": tag, "params_hash": params_hash,
              "ablation": ablation, "cumulative_tokens": cumulative_tokens,
-             "cumulative_trajectories": cumulative_trajectories, "history": history}
+             "cumulative_trajectories": cumulative_trajectories, "world_size": world_size(),
+             "zero_stage": int(getattr(getattr(updater, "cfg", None), "zero_stage", 0)), "history": history}
     atomic_write_bytes(state_path(run_dir), json.dumps(state, indent=1).encode())
     for old in ckpt.glob("step*"):  # keep the newest DeepSpeed tag only
         if old.is_dir() and old.name != tag:
@@ -56,6 +67,7 @@ def write_checkpoint(run_dir: str | Path, step_done: int, *, updater: Any, predi
     for old in ckpt.glob(f"{PREDICTOR_FILE}.step*"):
         if old.name != f"{PREDICTOR_FILE}.{tag}":
             old.unlink(missing_ok=True)
+    barrier()
 
 
 def load_checkpoint(run_dir: str | Path, *, updater: Any, predictor: Any, params_hash: str,
@@ -79,14 +91,30 @@ def load_checkpoint(run_dir: str | Path, *, updater: Any, predictor: Any, params
     import torch
 
     path = state_path(run_dir)
-    if not path.is_file():
+    # rank 0 reads and decides; every rank acts on its answer (a file another rank half-sees cannot split them)
+    state = broadcast_object(json.loads(path.read_text()) if is_main_process() and path.is_file() else None)
+    if state is None:
         return None
-    state = json.loads(path.read_text())
     if state.get("params_hash") != params_hash or state.get("ablation") != ablation:
-        shutil.rmtree(run_dir, ignore_errors=True)
+        if is_main_process():
+            shutil.rmtree(run_dir, ignore_errors=True)
+        barrier()
         return None
     ckpt = Path(run_dir) / CHECKPOINT_DIR
-    updater.load_checkpoint(ckpt, tag=state["tag"])
+    tag, universal = state["tag"], False
+    if int(state.get("world_size", 1)) != world_size() and int(state.get("zero_stage", 0)) >= 1:
+        # ZeRO shards are per rank: resume at another world size through a universal checkpoint
+        from trace.update import convert_to_universal_checkpoint
+
+        universal_tag = f"{tag}_universal"
+        if is_main_process() and not (ckpt / universal_tag).is_dir():
+            partial = ckpt / f"{universal_tag}.partial"  # renamed once complete: a killed conversion is redone
+            shutil.rmtree(partial, ignore_errors=True)
+            convert_to_universal_checkpoint(ckpt, tag, partial.name)
+            partial.rename(ckpt / universal_tag)
+        barrier()
+        tag, universal = universal_tag, True
+    updater.load_checkpoint(ckpt, tag=tag, **({"universal": True} if universal else {}))
     predictor.load_state_dict(torch.load(ckpt / f"{PREDICTOR_FILE}.{state['tag']}", map_location="cpu",
                                          weights_only=False))
     return state

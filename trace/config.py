@@ -254,6 +254,32 @@ class TrackingConfig(_Section):
     experiment_name: str = Field("trace-kgqa", min_length=1, description="MLflow experiment (made a model-training one)")
 
 
+class LaunchConfig(_Section):
+    """How the train stage is started: one process, or data-parallel ranks under a launcher (``flows.launch``).
+
+    Never part of a result: a run on several ranks gives the same trees and (within float summation order)
+    the same weights as on one, so these keys are outside ``params_hash`` and a change reruns nothing.
+    """
+
+    launcher: Literal["none", "torchrun", "deepspeed"] = Field(
+        "none", description="none: one process; torchrun: num_processes local ranks; deepspeed: DeepSpeed's "
+        "launcher (local ranks, or every node of `hostfile`)")
+    num_processes: int = Field(1, ge=1, description="ranks per node (GPUs per node; CPU: processes on gloo)")
+    hostfile: Optional[str] = Field(None, description="deepspeed: hostfile of the nodes (`host slots=N` lines); "
+                                    "None = this node only")
+    args: tuple[str, ...] = Field((), description="extra launcher arguments, e.g. [--master_addr, node-1]")
+
+    @model_validator(mode="after")
+    def _check(self) -> "LaunchConfig":
+        if self.launcher == "none" and self.num_processes > 1:
+            raise ValueError(f"launch.num_processes={self.num_processes} needs a launcher; set launch.launcher "
+                             "to torchrun (one node) or deepspeed")
+        if self.hostfile is not None and self.launcher != "deepspeed":
+            raise ValueError("launch.hostfile is read by the deepspeed launcher only; set launch.launcher: "
+                             "deepspeed or drop the hostfile")
+        return self
+
+
 class Config(_Section):
     """The whole ``params.yaml``."""
 
@@ -273,6 +299,7 @@ class Config(_Section):
     train: TrainConfig = TrainConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
     tracking: TrackingConfig = TrackingConfig()
+    launch: LaunchConfig = LaunchConfig()
 
     @model_validator(mode="after")
     def _check_root_budgets(self) -> "Config":
@@ -321,12 +348,13 @@ class Config(_Section):
         """sha256 (first 12 hex chars) of the canonical JSON of every param that can change a result.
 
         Left out: the list of arms (``train.ablations``: adding an arm must not invalidate the others),
-        ``train.steps_per_task`` (orchestration only) and ``tracking``.
+        ``train.steps_per_task`` (orchestration only), ``tracking`` and ``launch``.
         """
         data = self.model_dump(mode="json")
         data["train"].pop("ablations", None)
         data["train"].pop("steps_per_task", None)
         data.pop("tracking", None)
+        data.pop("launch", None)
         if self._shared_seed is not None and self._shared_seed != self.seed:
             data["shared_seed"] = self._shared_seed
         blob = json.dumps(data, sort_keys=True).encode()

@@ -12,7 +12,12 @@ optimizer and RNG (DeepSpeed), the predictor state and the step counter; the pre
 back from the step's Parquet trees. A run killed at any point and restarted continues from the last
 checkpoint and ends with the same trees, metrics and weights as an uninterrupted run (on CPU).
 
-Simplifications: one process (world size 1) on CPU; multi-GPU runs go through DeepSpeed's launcher.
+Data parallel (under ``torchrun`` or ``deepspeed``, the ``launch`` params): every rank computes the same
+prompts, scores and allocation; each samples and trains on its own whole trees and receives the others'
+(``trace.parallel.DataParallelSampler``), so every rank refits the same predictor on the same window (checked
+every step); rank 0 alone writes the trees and the checkpoint's predictor and state files, and runs the
+in-training evaluation. DeepSpeed writes its checkpoint shards from every rank. With several nodes the run
+folder must be on a file system every node sees.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from trace.checkpoint import load_checkpoint, write_checkpoint
 from trace.config import Config
 from trace.envs.base import Environment, Prompt
 from trace.evaluation import MetricsFn, evaluate_policy
+from trace.parallel import DataParallelSampler, all_gather_objects, barrier, is_main_process, rank, world_size
 from trace.sampling import make_rollout_backend, sampling_spec
 from trace.seeding import candidate_indices, step_rng, step_seed
 from trace.tree import RolloutTree
@@ -73,6 +79,14 @@ class Trainer:
         # one backend for the whole run: the updater announces every optimizer step (mark_weights_updated), on
         # which the HF backend drops kept KV and the vLLM engine reloads the weights and resets its prefix cache
         self.backend = make_rollout_backend(policy, cfg.rollout)
+        self.rank, self.world_size = rank(), world_size()  # the process group exists once the updater does
+        if self.world_size > 1 and cfg.update.zero_stage == 3 and not hasattr(self.backend, "sync_weights"):
+            raise ValueError("update.zero_stage=3 with rollout.backend=hf on several ranks: the HF backend "
+                             "generates with the partitioned module, whose every forward pass is a collective, "
+                             "and ranks sample different trees; use rollout.backend=vllm or zero_stage <= 2")
+        if cfg.update.zero_stage == 3 and hasattr(self.backend, "weights_fn"):
+            self.backend.weights_fn = self.updater.policy_state_dict  # the gathered full weights
+        self.tokens_per_trajectory: dict[str, float] = {}  # stage-1 split costs (trace.parallel)
         self.estimator = (cfg.advantages.estimator.value if cfg.advantages.estimator is not None
                           else self.spec.estimator)
         self.cumulative_tokens = 0.0
@@ -126,9 +140,24 @@ class Trainer:
     def _sampler(self, step: int) -> PolicySampler:
         """The step's rollouts and scores: salt ``s`` samples with seed ``step_seed(seed, step, s)``."""
         cfg = self.cfg
-        return PolicySampler(self.policy, self.env, self.backend, self.predictor,
-                             lambda salt: sampling_spec(cfg.rollout, step_seed(cfg.seed, step, salt)),
-                             step=step, ablation=self.ablation, max_context_tokens=cfg.policy.max_context_tokens)
+        inner = PolicySampler(self.policy, self.env, self.backend, self.predictor,
+                              lambda salt: sampling_spec(cfg.rollout, step_seed(cfg.seed, step, salt)),
+                              step=step, ablation=self.ablation, max_context_tokens=cfg.policy.max_context_tokens)
+        return DataParallelSampler(inner, self.tokens_per_trajectory, rank=self.rank, world_size=self.world_size)
+
+    def _check_same_predictor(self) -> None:
+        """Every rank must hold the same predictor after the refit (it decides the next allocation)."""
+        import hashlib
+        import io
+
+        import torch
+
+        buf = io.BytesIO()
+        torch.save(self.predictor.state_dict(), buf)
+        digests = all_gather_objects(hashlib.sha256(buf.getvalue()).hexdigest())
+        if len(set(digests)) > 1:
+            raise RuntimeError(f"the predictor differs between ranks after the refit (state digests {digests}); "
+                               "every rank must see the same trees and run the same deterministic fit")
 
     def step(self, step: int) -> dict[str, float]:
         """Run one training step and write its trees; returns its metrics (also logged)."""
@@ -139,8 +168,11 @@ class Trainer:
         t_step = time.perf_counter()
         idx = candidate_indices(len(self.train_prompts), acfg.num_candidates, cfg.seed, step)
         candidates = [self.train_prompts[i] for i in idx]
-        result = allocate_step(self.spec, candidates, self._sampler(step), acfg,
-                               lambda salt: step_rng(cfg.seed, step, salt))
+        sync = getattr(self.backend, "sync_weights", None)
+        if sync is not None:  # every rank at once: under ZeRO-3 the push gathers the partitioned weights
+            sync()
+        sampler = self._sampler(step)
+        result = allocate_step(self.spec, candidates, sampler, acfg, lambda salt: step_rng(cfg.seed, step, salt))
         trees, all_for_metrics = result.trees, result.sampled_trees
         metrics: dict[str, float] = dict(result.metrics)
         timings: dict[str, float] = dict(result.timings)
@@ -151,6 +183,10 @@ class Trainer:
         window = self.window_trees(step - 1) + all_for_metrics
         if window:
             metrics.update({k: v for k, v in self.predictor.fit(window).items() if isinstance(v, (int, float))})
+        if self.world_size > 1:
+            self._check_same_predictor()
+            metrics.update(sampler.split(all_for_metrics))
+        sampler.observe(all_for_metrics)
         timings["time/predictor_fit"] = time.perf_counter() - t0
 
         for tree in all_for_metrics:
@@ -176,11 +212,15 @@ class Trainer:
 
         t0 = time.perf_counter()
         if trees:
-            metrics.update(self.updater.rl_step(trees, temperature=cfg.rollout.temperature))
+            # each rank its own trees; the token-mean normaliser is global (PolicyUpdater)
+            metrics.update(self.updater.rl_step(sampler.owned(trees), temperature=cfg.rollout.temperature))
         timings["time/update"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        write_trees([t.copy_without_state() for t in all_for_metrics], tree_path(self.trees_root, self.ablation, step))
+        if is_main_process():
+            write_trees([t.copy_without_state() for t in all_for_metrics],
+                        tree_path(self.trees_root, self.ablation, step))
+        barrier()  # the next step's window is read back from these files on every rank
         timings["time/write"] = time.perf_counter() - t0
 
         self.cumulative_tokens += metrics.get("tokens/generated", 0.0)
@@ -188,7 +228,7 @@ class Trainer:
         metrics["tokens/cumulative"] = self.cumulative_tokens
         metrics["rollout/cumulative_trajectories"] = self.cumulative_trajectories
         metrics["accuracy/train"] = metrics.get("reward/mean", 0.0)
-        if (step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.num_steps:
+        if ((step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.num_steps) and is_main_process():
             t0 = time.perf_counter()
             ev, _ = evaluate_policy(self.policy, self.env, self.eval_prompts[: cfg.train.eval_prompts], cfg.rollout,
                                     seed=step_seed(cfg.seed, 0, "eval"), backend=self.backend,

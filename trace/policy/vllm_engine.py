@@ -99,22 +99,33 @@ def replica_devices(data_parallel_size: int, tensor_parallel_size: int,
         tensor_parallel_size: GPUs per replica >= 1.
         visible: the visible device ids; ``None`` = ``$CUDA_VISIBLE_DEVICES`` or ``0 .. device_count - 1``.
 
+    Under a launcher with several ranks on the node (``trace.parallel``: each training rank samples its own
+    trees), each rank starts one engine on its own GPU, the visible device ``LOCAL_RANK``, which its DeepSpeed
+    engine uses too.
+
     Returns:
         R entries; all ``None`` with one replica or without CUDA (engines inherit the environment).
 
     Raises:
-        ValueError: fewer visible GPUs than ``data_parallel_size * tensor_parallel_size``.
+        ValueError: fewer visible GPUs than ``data_parallel_size * tensor_parallel_size`` (or than the ranks
+            on the node); replicas or tensor parallelism asked for on a data-parallel training rank.
     """
+    local_rank, local_ranks = _launcher_local_rank()
+    if local_ranks > 1:  # a data-parallel training rank: its one engine shares the rank's own GPU
+        if data_parallel_size * tensor_parallel_size > 1:
+            raise ValueError(f"{local_ranks} training ranks on this node each start one vLLM engine on their own "
+                             "GPU; set rollout.vllm_data_parallel_size and vllm_tensor_parallel_size to 1 (the "
+                             "ranks are the data parallelism)")
+        devices = _visible_devices(visible)
+        if not devices:
+            return [None]
+        if len(devices) < local_ranks:
+            raise ValueError(f"{local_ranks} training ranks on this node but {len(devices)} GPUs are visible "
+                             f"({devices}); lower launch.num_processes or expose more GPUs")
+        return [devices[local_rank]]
     if data_parallel_size == 1:
         return [None]
-    if visible is None:
-        env = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if env is not None:
-            visible = [d.strip() for d in env.split(",") if d.strip()]
-        else:
-            import torch
-
-            visible = [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    visible = _visible_devices(visible)
     if not visible:
         return [None] * data_parallel_size
     need = data_parallel_size * tensor_parallel_size
@@ -124,6 +135,26 @@ def replica_devices(data_parallel_size: int, tensor_parallel_size: int,
                          "lower the parallel sizes or expose more GPUs")
     return [",".join(visible[r * tensor_parallel_size:(r + 1) * tensor_parallel_size])
             for r in range(data_parallel_size)]
+
+
+def _launcher_local_rank() -> tuple[int, int]:
+    """``(LOCAL_RANK, ranks on this node)`` under torchrun (``LOCAL_WORLD_SIZE``) or DeepSpeed's launcher
+    (``LOCAL_SIZE``); ``(0, 1)`` in a single process."""
+    if "WORLD_SIZE" not in os.environ:
+        return 0, 1
+    ranks = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")
+    return int(os.environ.get("LOCAL_RANK", "0")), int(ranks or 1)
+
+
+def _visible_devices(visible: Sequence[str] | None) -> list[str]:
+    if visible is not None:
+        return list(visible)
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [d.strip() for d in env.split(",") if d.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
 
 
 @contextlib.contextmanager
