@@ -219,3 +219,22 @@ def test_two_ranks_sample_the_same_trees_and_train_the_same_weights_as_one_and_r
         if "update/num_sequences" in a:  # ... and trained on its own sequences only
             assert b["update/num_sequences"] < a["update/num_sequences"], a["step"]
     assert json.loads((mixed / "checkpoint" / "train_state.json").read_text())["world_size"] == 1
+
+
+def test_zero3_with_the_hf_backend_on_several_ranks_is_refused_with_the_reason(tmp_path, monkeypatch):
+    """The HF backend generates with the partitioned module (every forward a collective) while ranks sample
+    different trees: it would hang, so the trainer refuses it."""
+    import trace.loop
+    from trace.envs.registry import make_environment
+    from trace.policy.model import build_tiny_policy
+    from trace.predictor import make_predictor
+
+    monkeypatch.setattr(trace.loop, "world_size", lambda: 2)
+    cfg = load_config(TINY, overrides={"update.zero_stage": 3, "predictor.kind": "history"})
+    env = make_environment(cfg.task, cfg.seed)
+    policy = build_tiny_policy(cfg.policy, env.vocabulary(), cfg.seed)
+    with pytest.raises(ValueError, match="zero_stage=3 with rollout.backend=hf on several ranks"):
+        trace.loop.Trainer(cfg, "trace", policy=policy, env=env, train_prompts=env.prompts("train"),
+                           eval_prompts=env.prompts("eval"), predictor=make_predictor(cfg.predictor, env=env,
+                                                                                     policy=policy, seed=cfg.seed),
+                           run_dir=tmp_path, progress=False)

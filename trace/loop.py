@@ -145,6 +145,13 @@ class Trainer:
                               step=step, ablation=self.ablation, max_context_tokens=cfg.policy.max_context_tokens)
         return DataParallelSampler(inner, self.tokens_per_trajectory, rank=self.rank, world_size=self.world_size)
 
+    def _sync_weights(self) -> None:
+        """Push new weights to a backend that holds its own copy (vLLM), on every rank at the same point: under
+        ZeRO-3 the push gathers the partitioned weights, a collective. The HF backend needs no push."""
+        sync = getattr(self.backend, "sync_weights", None)
+        if sync is not None:
+            sync()
+
     def _check_same_predictor(self) -> None:
         """Every rank must hold the same predictor after the refit (it decides the next allocation)."""
         import hashlib
@@ -168,9 +175,7 @@ class Trainer:
         t_step = time.perf_counter()
         idx = candidate_indices(len(self.train_prompts), acfg.num_candidates, cfg.seed, step)
         candidates = [self.train_prompts[i] for i in idx]
-        sync = getattr(self.backend, "sync_weights", None)
-        if sync is not None:  # every rank at once: under ZeRO-3 the push gathers the partitioned weights
-            sync()
+        self._sync_weights()
         sampler = self._sampler(step)
         result = allocate_step(self.spec, candidates, sampler, acfg, lambda salt: step_rng(cfg.seed, step, salt))
         trees, all_for_metrics = result.trees, result.sampled_trees
@@ -215,6 +220,8 @@ class Trainer:
             # each rank its own trees; the token-mean normaliser is global (PolicyUpdater)
             metrics.update(self.updater.rl_step(sampler.owned(trees), temperature=cfg.rollout.temperature))
         timings["time/update"] = time.perf_counter() - t0
+        if trees:
+            self._sync_weights()  # before rank 0's evaluation generates alone
 
         t0 = time.perf_counter()
         if is_main_process():
