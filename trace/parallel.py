@@ -164,6 +164,10 @@ class DataParallelSampler:
 
     def sample_roots(self, prompts: Sequence, counts: Sequence[int], salt: str) -> list[RolloutTree]:
         """The trees of ``prompts`` in prompt order: this rank's sampled here, the others' gathered."""
+        if self.world_size == 1:  # nothing to split or gather
+            trees = self.inner.sample_roots(prompts, counts, salt)
+            self.owner.update((t.tree_id, 0) for t in trees)
+            return trees
         costs = [int(c) * self._cost(p.prompt_uid) for p, c in zip(prompts, counts)]
         owners = split_longest_first(costs, self.world_size, self.load)
         for o, c in zip(owners, costs):
@@ -183,6 +187,9 @@ class DataParallelSampler:
     def sample_continuations(self, trees: Sequence[RolloutTree], counts: Mapping[tuple[int, int], int],
                              salt: str) -> None:
         """Continuations of this rank's trees sampled here; every other tree replaced by its owner's copy."""
+        if self.world_size == 1:
+            self.inner.sample_continuations(trees, counts, salt)
+            return
         mine = {key: k for key, k in counts.items() if self.owner[trees[key[0]].tree_id] == self.rank}
         if mine:
             self.inner.sample_continuations(trees, mine, salt)
