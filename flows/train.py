@@ -32,7 +32,6 @@ run the same steps as plain functions.
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -42,6 +41,7 @@ from prefect.cache_policies import NONE
 
 from flows.common import REPO_ROOT, stage_main, PREDICTOR, WARMUP_MODEL, build_environment, checkpoint_store, \
     load_stage_policy, open_run, read_split, run_config, run_dir, stage_params, write_json
+from trace.parallel import is_main_process as main_rank  # $RANK before the process group exists
 
 # logged at every step, in the same batch as the step's other metrics: marks a step as logged
 STEP_MARKER = "tokens/cumulative"
@@ -54,11 +54,6 @@ def checkpoint_dir(cfg, ablation: str) -> Path:
 
     deps = stage_deps(REPO_ROOT / "dvc.yaml", "train", {"ablation": ablation, "seed": cfg.seed})
     return checkpoint_store() / ablation / f"{cfg.resume_hash()}-{deps_digest(REPO_ROOT, deps)}"
-
-
-def main_rank() -> bool:
-    """Rank 0 (``$RANK`` of the launcher; a run without one is rank 0)."""
-    return int(os.environ.get("RANK", "0")) == 0
 
 
 @contextlib.contextmanager
