@@ -32,7 +32,10 @@ def warmup_flow(params: str) -> dict:
         summary: dict = {"warmup/num_parameters": policy.num_parameters}
         if cfg.warmup.enabled and isinstance(env, Demonstrates):
             result = run_warmup(policy, env, train, cfg, log_metrics=lambda m, s: run.log_metrics(m, s))
-            summary.update({"warmup/chosen_step": result.chosen_step, "warmup/chosen_success": result.chosen_success})
+            summary.update({"warmup/chosen_step": result.chosen_step, "warmup/chosen_success": result.chosen_success,
+                            "warmup/demonstrations": result.num_demonstrations})
+            if hasattr(env, "demonstration_stats"):  # grounded QA demonstrations: how often retrieval found support
+                summary.update({f"warmup/{k}": v for k, v in env.demonstration_stats(train).items()})
             run.set_tags({"warmup.reason": result.reason})
             print(f"warmup kept step {result.chosen_step} (train success {result.chosen_success:.3f}): {result.reason}")
         metrics, _ = evaluate_policy(policy, env, evals[: cfg.evaluate.num_prompts], cfg.rollout, seed=cfg.seed,

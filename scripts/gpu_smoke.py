@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"setup: {time.perf_counter() - t0:.1f} s (backend start {start_backend_s:.1f} s, "
         f"{policy.num_parameters / 1e6:.2f} M parameters)", flush=True)
     if ranks > 1 and cfg.update.zero_stage == 3 and hasattr(backend, "weights_fn"):
-        backend.weights_fn = updater.policy_state_dict  # the gathered full weights
+        backend.weights_fn = updater.serving_state_dict  # the gathered full weights
 
     prompts = env.prompts("train")
     arm = get_arm("tree_random")

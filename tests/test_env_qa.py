@@ -148,7 +148,8 @@ def test_finish_with_punctuation_or_an_article_does_not_match_an_empty_alias():
         result = env.step(state, text)
         assert result.terminated and result.reward == 0.0 and result.info["em"] == 0.0, text
     assert env.step(state, "Action: finish[tulsa]").reward == 1.0
-    assert env.solve(Prompt("nq", "0", "Who?", ["The", "Tulsa"]))[-1].endswith("finish[Tulsa]")
+    demo = env.solve(Prompt("nq", "0", "Which city?", ["The", "Tulsa"], {"context": [["T", "Tulsa is a city."]]}))
+    assert demo[-1].endswith("finish[Tulsa]")
 
 
 def test_a_prompt_whose_every_alias_normalises_to_nothing_is_refused_at_reset():
@@ -305,3 +306,81 @@ def test_qa_environments_pass_the_checker(hotpot, wiki_slice, retrieval_server):
     url, _ = retrieval_server
     nq_cfg = TaskConfig(name=TaskName.NQ, retriever_url=url, files=DataFileConfig(max_eval=2))
     check_environment(make_environment(nq_cfg, 0), load_prompts(nq_cfg, "eval"), num_random_episodes=6)
+
+
+# ---- grounded demonstrations (warmup SFT) -----------------------------------------------------------------
+def _play(env, prompt, actions):
+    state, _ = env.reset(prompt)
+    observations = []
+    for action in actions:
+        result = env.step(state, action)
+        observations.append(result.observation)
+        state = result.state
+    return result, observations
+
+
+def _toy(question, answer, context, support, uid="q1"):
+    return Prompt("hotpotqa", uid, question, [answer], {"context": context, "support": support})
+
+
+def test_a_grounded_demonstration_searches_each_supporting_title_and_finishes_on_what_it_retrieved(hotpot):
+    prompt = hotpot[0]
+    assert prompt.meta["support"] == ["Tinted Windows (album)", "Tinted Windows (band)"]  # supporting_facts
+    # "Tulsa" is past the first 400 characters of its paragraph: with the default cut the policy never sees it
+    assert QAEnvironment("hotpotqa", ContextBM25Retriever(), top_k=2, max_turns=4).solve(prompt) == []
+    env = QAEnvironment("hotpotqa", ContextBM25Retriever(), top_k=2, max_turns=4, max_passage_chars=2000)
+    actions = env.solve(prompt)
+    assert [a.split("Action: ")[1] for a in actions] == [
+        "search[Tinted Windows (album)] Observation:", "search[Tinted Windows (band)] Observation:", "finish[Tulsa]"]
+    result, observations = _play(env, prompt, actions)
+    assert result.reward == 1.0
+    assert "(Title: Tinted Windows (album))" in observations[0] and "(Title: Tinted Windows (band))" in observations[1]
+    assert "tulsa" in normalize_answer(" ".join(observations))  # the answer was in what the policy saw
+
+
+def test_without_evidence_in_the_retrieved_passages_there_is_no_demonstration():
+    context = [["Alpha", "Alpha is a town in Norway."], ["Beta", "Beta is a river in Peru."]]
+    env = QAEnvironment("hotpotqa", ContextBM25Retriever(), top_k=2, max_turns=4)
+    assert env.solve(_toy("Where does Gamma flow?", "Chile", context, ["Alpha", "Beta"])) == []
+    # the answer only past the shown part of a passage is no evidence either
+    long = [["Alpha", "Alpha is a town. " + "It has houses. " * 40 + "It lies in Chile."]]
+    short = QAEnvironment("hotpotqa", ContextBM25Retriever(), top_k=1, max_turns=3, max_passage_chars=100)
+    assert short.solve(_toy("Where is Alpha?", "Chile", long, ["Alpha"], uid="q2")) == []
+    # one more search of the question itself, when a turn is left, can still find it
+    context = [["Alpha", "Alpha is a town."], ["Beta", "Beta is a river."], ["Gamma", "Gamma flows through Chile."]]
+    actions = QAEnvironment("hotpotqa", ContextBM25Retriever(), top_k=1, max_turns=4).solve(
+        _toy("Where does Gamma flow?", "Chile", context, ["Alpha"], uid="q3"))
+    assert [a.split("Action: ")[1] for a in actions] == [
+        "search[Alpha] Observation:", "search[Where does Gamma flow?] Observation:", "finish[Chile]"]
+
+
+def test_a_yes_no_answer_is_demonstrated_only_when_every_supporting_paragraph_was_retrieved():
+    context = [["Alpha", "Alpha is a band from Oslo."], ["Beta", "Beta is a band from Lima."],
+               ["Delta", "Delta is a choir."]]
+    question = "Are Alpha and Beta both bands?"
+    both = QAEnvironment("hotpotqa", ContextBM25Retriever(), top_k=1, max_turns=3)
+    actions = both.solve(_toy(question, "yes", context, ["Alpha", "Beta"]))
+    assert actions[-1].endswith("finish[yes]") and _play(both, _toy(question, "yes", context, ["Alpha", "Beta"]),
+                                                          actions)[0].reward == 1.0
+    one_turn = QAEnvironment("hotpotqa", ContextBM25Retriever(), top_k=1, max_turns=2)  # room for one search
+    assert one_turn.solve(_toy(question, "yes", context, ["Alpha", "Beta"], uid="q4")) == []
+
+
+@needs_data
+def test_supporting_titles_are_read_from_each_format_and_the_stats_count_what_bm25_found():
+    musique_cfg = TaskConfig(name=TaskName.MUSIQUE, files=DataFileConfig(eval_fraction=0.0, max_train=20))
+    musique = load_prompts(musique_cfg, "train")
+    for prompt in musique:  # the supporting paragraphs, in the order of the question's decomposition
+        titles = {t for t, _ in prompt.meta["context"]}
+        assert prompt.meta["support"] and set(prompt.meta["support"]) <= titles, prompt.prompt_uid
+    original_cfg = TaskConfig(name=TaskName.HOTPOTQA, files=DataFileConfig(
+        train_path=str(SHARED_DATA / "hotpotqa" / "hipporag_original_format" / "hotpotqa_train.json"),
+        eval_fraction=0.0, max_train=5))
+    assert all(len(p.meta["support"]) >= 2 for p in load_prompts(original_cfg, "train"))
+    context = [["Alpha", "Alpha is in Chile."], ["Beta", "Beta is a river."], ["Gamma", "Gamma is a lake."]]
+    env = QAEnvironment("hotpotqa", ContextBM25Retriever(), top_k=1, max_turns=4)
+    prompts = [_toy("Where is Alpha?", "Chile", context, ["Alpha", "Beta"], uid="s1"),
+               _toy("Where is Gamma?", "Peru", context, ["Gamma"], uid="s2")]
+    assert env.demonstration_stats(prompts) == {
+        "demos/questions": 2.0, "demos/grounded": 1.0, "demos/grounded_share": 0.5,
+        "demos/support_paragraphs": 3.0, "demos/support_recall": 1.0}

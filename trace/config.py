@@ -20,6 +20,7 @@ from trace.allocation.registry import get_root_rule
 from trace.allocation.root import check_root_budget_feasible
 from trace.config_tasks import KGQAConfig, SimulatorConfig  # noqa: F401  (re-exported: task.kgqa, task.simulator)
 from trace.config_tasks import Section as _Section
+from trace.config_update import LoraConfig, UpdateConfig  # noqa: F401  (re-exported: update, update.lora)
 from trace.tasks import enum_members
 
 
@@ -187,21 +188,6 @@ class AdvantageConfig(_Section):
     eps: float = Field(1e-6, gt=0, description="added to the std in z-scores")
     std_floor: float = Field(1e-3, ge=0, description="groups with std below this get advantage 0")
     clip: Optional[float] = Field(5.0, gt=0, description="clip |advantage| (None = no clip)")
-
-
-class UpdateConfig(_Section):
-    lr: float = Field(3e-4, gt=0, description="policy learning rate (AdamW)")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
-    clip_low: float = Field(0.2, ge=0, description="ratio clip below: 1 - clip_low (PPO, arXiv 1707.06347)")
-    clip_high: float = Field(0.2, ge=0, description="ratio clip above: 1 + clip_high (DAPO clip-higher: 0.28)")
-    kl_coef: float = Field(0.0, ge=0, description="k3 KL to the reference policy (0 = off, no reference kept)")
-    ppo_epochs: int = Field(1, ge=1, description="passes over each step's batch")
-    micro_batch_size: int = Field(64, ge=1, description="sequences per forward/backward")
-    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping")
-    zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage")
-    bf16: bool = Field(False, description="DeepSpeed bf16")
-    gradient_checkpointing: bool = Field(False, description="recompute activations in backward")
-    offload_optimizer: bool = Field(False, description="ZeRO optimizer offload to CPU")
 
 
 class TrainConfig(_Section):

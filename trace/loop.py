@@ -38,6 +38,7 @@ from trace.envs.base import Environment, Prompt
 from trace.evaluation import MetricsFn, evaluate_policy
 from trace.parallel import DataParallelSampler, all_gather_objects, barrier, is_main_process, rank, world_size
 from trace.sampling import make_rollout_backend, sampling_spec
+from trace.policy.lora import apply_lora
 from trace.seeding import candidate_indices, step_rng, step_seed
 from trace.tree import RolloutTree
 from trace.tree_io import read_trees, tree_path, write_trees
@@ -65,7 +66,7 @@ class Trainer:
         self.cfg = cfg
         self.spec = get_arm(ablation)
         self.ablation = self.spec.name
-        self.policy = policy
+        self.policy = apply_lora(policy, cfg.update.lora, cfg.seed)  # update.lora: adapters, in place
         self.env = env
         self.train_prompts = list(train_prompts)
         self.eval_prompts = list(eval_prompts)
@@ -84,8 +85,8 @@ class Trainer:
             raise ValueError("update.zero_stage=3 with rollout.backend=hf on several ranks: the HF backend "
                              "generates with the partitioned module, whose every forward pass is a collective, "
                              "and ranks sample different trees; use rollout.backend=vllm or zero_stage <= 2")
-        if cfg.update.zero_stage == 3 and hasattr(self.backend, "weights_fn"):
-            self.backend.weights_fn = self.updater.policy_state_dict  # the gathered full weights
+        if (cfg.update.zero_stage == 3 or cfg.update.lora.enabled) and hasattr(self.backend, "weights_fn"):
+            self.backend.weights_fn = self.updater.serving_state_dict  # gathered full weights, adapters merged
         self.tokens_per_trajectory: dict[str, float] = {}  # stage-1 split costs (trace.parallel)
         self.estimator = (cfg.advantages.estimator.value if cfg.advantages.estimator is not None
                           else self.spec.estimator)

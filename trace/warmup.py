@@ -8,6 +8,7 @@ function of the params alone. DeepSpeed and torch load only when warmup runs.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -28,34 +29,41 @@ class WarmupResult:
         chosen_step: the SFT step whose weights were kept (0: warmup did not run).
         chosen_success: the sampled success measured at ``chosen_step``.
         reason: why that step was kept (or why warmup did not run).
+        num_demonstrations: training prompts with a demonstration (the SFT data).
     """
 
     history: list[tuple[int, float]] = field(default_factory=list)
     chosen_step: int = 0
     chosen_success: float = 0.0
     reason: str = ""
+    num_demonstrations: int = 0
 
 
 def demonstration_trees(policy, env, prompts: Sequence[Prompt], demo_noise: float, seed: int) -> list[RolloutTree]:
-    """Teacher-forced solver demonstrations, one trajectory per prompt.
+    """Teacher-forced solver demonstrations, one trajectory per prompt that has one.
 
     Args:
         policy: ``trace.policy.model.Policy``.
-        env: an environment with a solver (``env.solve``).
+        env: an environment with a solver (``env.solve``). A solver that takes ``demo_noise`` and ``seed``
+            (kgqa) gets them; an empty list of actions means the prompt has no demonstration (a grounded QA
+            solver whose retrieved passages never support the answer), and the prompt is skipped.
         prompts: P prompts.
         demo_noise: the solver's noise, passed to ``env.solve``.
         seed: the run's ``seed``; prompt ``i`` is solved with ``step_seed(seed, i, "demo")``.
 
     Returns:
-        P ``RolloutTree``, one ``ROLLOUT`` trajectory each (``trajectory_from_actions``).
+        Up to P ``RolloutTree``, one ``ROLLOUT`` trajectory each (``trajectory_from_actions``), in prompt order.
 
     Raises:
         ValueError: a solver whose actions do not end the episode (``trajectory_from_actions``).
     """
+    takes_noise = "demo_noise" in inspect.signature(env.solve).parameters
     trees = []
     for i, prompt in enumerate(prompts):
-        actions = env.solve(prompt, demo_noise=demo_noise, seed=step_seed(seed, i, "demo"))
-        trees.append(trajectory_from_actions(policy, env, prompt, actions))
+        kwargs = {"demo_noise": demo_noise, "seed": step_seed(seed, i, "demo")} if takes_noise else {}
+        actions = env.solve(prompt, **kwargs)
+        if actions:
+            trees.append(trajectory_from_actions(policy, env, prompt, actions))
     return trees
 
 
@@ -81,9 +89,13 @@ def run_warmup(policy, env, train_prompts: Sequence[Prompt], cfg: Config, *,
     Returns:
         A ``WarmupResult``; ``reason == "warmup disabled"`` and nothing trained when ``warmup.enabled`` is
         false or ``warmup.max_steps == 0``.
+
+    Raises:
+        ValueError: no training prompt has a demonstration.
     """
     from tqdm import tqdm
 
+    from trace.policy.lora import apply_lora
     from trace.policy.weights import mark_weights_updated
     from trace.update import PolicyUpdater
 
@@ -92,7 +104,13 @@ def run_warmup(policy, env, train_prompts: Sequence[Prompt], cfg: Config, *,
     if not wcfg.enabled or wcfg.max_steps == 0:
         result.reason = "warmup disabled"
         return result
+    apply_lora(policy, cfg.update.lora, cfg.seed)  # update.lora: SFT of adapters (saved merged)
     demos = demonstration_trees(policy, env, train_prompts, wcfg.demo_noise, cfg.seed)
+    if not demos:
+        raise ValueError(f"warmup: none of the {len(train_prompts)} training prompts has a demonstration (the "
+                         "solver found no evidence for any answer); check the retriever and task.files, or set "
+                         "warmup.enabled: false")
+    result.num_demonstrations = len(demos)
     updater = PolicyUpdater(policy.model, cfg.update.model_copy(update={"lr": wcfg.lr, "ppo_epochs": 1, "kl_coef": 0.0,
                                                                 "gradient_checkpointing": False}),
                             seed=cfg.seed, pad_token_id=policy.tokenizer.pad_token_id,

@@ -9,7 +9,10 @@
 
 Every prompt's ``answer`` is the list of its scorable gold aliases (``trace.envs.qa.gold_aliases``); a row
 whose every alias normalises to the empty string is a bad row. Context paragraphs go to
-``meta["context"]`` as ``[[title, text], ...]``.
+``meta["context"]`` as ``[[title, text], ...]``, and the titles of the supporting paragraphs, where the row
+names them, to ``meta["support"]`` in hop order (HotpotQA/2Wiki ``supporting_facts``; MuSiQue's
+``is_supporting`` paragraphs, ordered by ``question_decomposition``): the grounded demonstrations search them
+(``trace.envs.qa.grounded_demo``).
 """
 
 from __future__ import annotations
@@ -47,13 +50,34 @@ def _joined(sentences: Any) -> str:
     return "".join(str(s) for s in sentences) if isinstance(sentences, list) else str(sentences)
 
 
+def _support_titles(facts: Any) -> list[str]:
+    """Titles named by ``supporting_facts`` (``{"title": [...], ...}`` or ``[[title, sent_idx], ...]``), each once."""
+    if isinstance(facts, dict):
+        titles = facts.get("title") or []
+    elif isinstance(facts, list):
+        titles = [f[0] for f in facts if isinstance(f, (list, tuple)) and f]
+    else:
+        titles = []
+    return list(dict.fromkeys(str(t) for t in titles if isinstance(t, str) and t.strip()))
+
+
+def _musique_support(paragraphs: list[dict], record: dict) -> list[str]:
+    by_idx = {p.get("idx", i): p for i, p in enumerate(paragraphs)}
+    ordered = [by_idx.get(step.get("paragraph_support_idx")) for step in record.get("question_decomposition") or []
+               if isinstance(step, dict)]
+    ordered += [p for p in paragraphs if p.get("is_supporting")]
+    return list(dict.fromkeys(str(p.get("title", "")) for p in ordered if p and p.get("is_supporting")
+                              and str(p.get("title", "")).strip()))
+
+
 def _parse_hotpot_hf(record: dict, task: str, row_idx: int) -> Prompt:
     context = record.get("context")
     if not isinstance(context, dict) or not isinstance(context.get("title"), list) \
             or not isinstance(context.get("sentences"), list) or len(context["title"]) != len(context["sentences"]):
         raise RowError("context must be {'title': [...], 'sentences': [[...], ...]} of equal lengths")
     paragraphs = [[str(t), _joined(s)] for t, s in zip(context["title"], context["sentences"])]
-    meta = {"context": paragraphs, **({"type": record["type"]} if isinstance(record.get("type"), str) else {})}
+    meta = {"context": paragraphs, "support": _support_titles(record.get("supporting_facts")),
+            **({"type": record["type"]} if isinstance(record.get("type"), str) else {})}
     return Prompt(task, example_id(record, row_idx), question_text(record), _qa_golds(record), meta)
 
 
@@ -62,7 +86,8 @@ def _parse_hotpot_original(record: dict, task: str, row_idx: int) -> Prompt:
     if not isinstance(context, list) or not all(isinstance(p, list) and len(p) == 2 for p in context):
         raise RowError("context must be [[title, [sentence, ...]], ...]")
     paragraphs = [[str(t), _joined(s)] for t, s in context]
-    meta = {"context": paragraphs, **({"type": record["type"]} if isinstance(record.get("type"), str) else {})}
+    meta = {"context": paragraphs, "support": _support_titles(record.get("supporting_facts")),
+            **({"type": record["type"]} if isinstance(record.get("type"), str) else {})}
     return Prompt(task, example_id(record, row_idx), question_text(record), _qa_golds(record), meta)
 
 
@@ -75,7 +100,8 @@ def _parse_musique(record: dict, task: str, row_idx: int) -> Prompt:
     context = [[str(p.get("title", "")), str(p.get("paragraph_text", p.get("text", "")))] for p in paragraphs]
     row_id = example_id(record, row_idx)
     hops = re.match(r"(\d)hop", row_id)
-    meta: dict = {"context": context, **({"hops": int(hops.group(1))} if hops else {})}
+    meta: dict = {"context": context, "support": _musique_support(paragraphs, record),
+                  **({"hops": int(hops.group(1))} if hops else {})}
     return Prompt(task, row_id, question_text(record), _qa_golds(record), meta)
 
 

@@ -33,6 +33,20 @@ Retrievers (all behind ``Retriever.search(query, top_k, prompt)``):
 ``EnvState.data`` is the tuple of ``(tool, argument)`` pairs read so far (``("invalid", message)`` for turns
 without a usable action). Episode state lives only in ``EnvState``; the caches above are pure memoisation.
 
+Demonstrations (``solve``, for the warmup SFT) are grounded in what the retriever returns. A demonstration
+searches, one turn per hop, the title of each of the question's supporting paragraphs
+(``prompt.meta["support"]``, in the dataset's order: HotpotQA's ``supporting_facts`` titles, MuSiQue's
+``is_supporting`` paragraphs in the order of its ``question_decomposition``, 2Wiki's ``supporting_facts``),
+with the observation the environment's own retriever returns. It finishes with the gold answer only when
+what was retrieved supports it: a gold alias occurs, as whole words after answer normalisation, in a
+retrieved passage, or, for a yes/no answer (HotpotQA comparison questions), every supporting paragraph was
+retrieved. A question without supporting titles (a ``qa_pairs`` file over a corpus) searches the question
+itself. If the searches leave the answer unsupported, one more turn (when the turn limit leaves one)
+searches the question; a question still unsupported has no demonstration (``[]``) and the warmup SFT skips
+it, so the policy is never taught to answer without evidence. ``demonstration_stats`` counts how often the
+retriever's top-k returned each supporting paragraph for its query and how many questions got a
+demonstration.
+
 References:
     Yao et al., "ReAct" (arXiv 2210.03629); Jin et al., "Search-R1" (arXiv 2503.09516) for the retrieval
     server protocol and the ``Doc i (Title: ...)`` observation; Robertson & Zaragoza, "The Probabilistic
@@ -41,6 +55,7 @@ References:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -90,6 +105,109 @@ def gold_aliases(answer: Any) -> list[str]:
         return []
     aliases = answer if isinstance(answer, (list, tuple)) else [answer]
     return [str(a) for a in aliases if normalize_answer(str(a))]
+
+
+# ---- grounded demonstrations --------------------------------------------------------------------------
+YES_NO = frozenset({"yes", "no"})
+
+
+@dataclass(frozen=True)
+class GroundedDemo:
+    """A question's demonstration and what its searches retrieved.
+
+    Attributes:
+        actions: the action texts (every turn but the last ends with the observation marker); ``[]`` when the
+            retrieved passages never support the gold answer.
+        num_support: supporting paragraphs searched for (at most ``max_turns - 1``).
+        retrieved_support: of them, how many the top-k of their own query returned.
+    """
+
+    actions: list[str]
+    num_support: int
+    retrieved_support: int
+
+
+def supporting_titles(prompt: Prompt) -> list[str]:
+    """The titles of ``prompt``'s supporting paragraphs, in hop order, each once (``meta["support"]``)."""
+    titles = prompt.meta.get("support") if isinstance(prompt.meta, dict) else None
+    out: list[str] = []
+    for title in titles or []:
+        if str(title).strip() and str(title) not in out:
+            out.append(str(title))
+    return out
+
+
+def _query(text: str, max_chars: int) -> str:
+    return " ".join(text.replace("[", "(").replace("]", ")").split())[:max_chars].rstrip()
+
+
+def _supported_alias(passages: Sequence[Any], aliases: Sequence[str], support: Sequence[str],
+                     retrieved_titles: set[str], max_chars: int) -> str | None:
+    """The first gold alias the passages (as the observation shows them) support, or ``None``."""
+    texts = [f" {normalize_answer(p.title + ' ' + _cut(p.text, max_chars))} " for p in passages]
+    for alias in aliases:
+        normalized = normalize_answer(alias)
+        if normalized in YES_NO:
+            if support and all(t in retrieved_titles for t in support):
+                return alias
+        elif any(f" {normalized} " in text for text in texts):
+            return alias
+    return None
+
+
+def grounded_demo(env: Any, prompt: Prompt) -> GroundedDemo:
+    """The grounded demonstration of ``prompt`` in the QA environment ``env`` (module docstring, "Demonstrations").
+
+    Args:
+        env: a ``trace.envs.qa.QAEnvironment`` (its retriever, ``top_k``, ``max_turns``, ``max_query_chars``).
+        prompt: a QA prompt; ``meta["support"]`` holds its supporting titles when the dataset gives them.
+
+    Returns:
+        A ``GroundedDemo``.
+
+    Raises:
+        RetrieverError: the retriever failed.
+    """
+    aliases = gold_aliases(prompt.answer)
+    every_support = supporting_titles(prompt)
+    support = every_support[: max(env.max_turns - 1, 0)]  # a search per turn, the last turn finishes
+    queries = list(support) or ([prompt.question] if env.max_turns > 1 else [])
+    turns, seen, retrieved_titles, found = [], [], set(), 0
+    for i, text in enumerate(queries):
+        query = _query(text, env.max_query_chars)
+        passages = env.retriever.search(query, env.top_k, prompt)
+        seen += passages
+        titles = {p.title for p in passages}
+        retrieved_titles |= titles
+        found += int(i < len(support) and support[i] in titles)
+        turns.append(f"Thought: I need to find {query}. Action: {SEARCH}[{query}] {OBSERVATION_MARKER}")
+    answer = _supported_alias(seen, aliases, every_support, retrieved_titles, env.max_passage_chars)
+    if answer is None and support and len(turns) < env.max_turns - 1:
+        query = _query(prompt.question, env.max_query_chars)
+        seen += env.retriever.search(query, env.top_k, prompt)
+        turns.append(f"Thought: I need to find {query}. Action: {SEARCH}[{query}] {OBSERVATION_MARKER}")
+        answer = _supported_alias(seen, aliases, every_support, retrieved_titles, env.max_passage_chars)
+    if answer is None:
+        return GroundedDemo([], len(support), found)
+    turns.append(f"Thought: the documents give the answer. Action: {FINISH}[{answer}]")
+    return GroundedDemo(turns, len(support), found)
+
+
+def demonstration_stats(env: Any, prompts: Sequence[Prompt]) -> dict[str, float]:
+    """How grounded the demonstrations of ``prompts`` are.
+
+    Returns:
+        ``demos/questions``, ``demos/grounded`` (questions with a demonstration), ``demos/grounded_share``,
+        ``demos/support_paragraphs`` (supporting paragraphs searched for) and ``demos/support_recall`` (the share
+        of them the retriever's top-k returned for their own query; NaN when no question has supporting titles).
+    """
+    demos = [grounded_demo(env, p) for p in prompts]
+    searched = sum(d.num_support for d in demos)
+    grounded = sum(bool(d.actions) for d in demos)
+    return {"demos/questions": float(len(demos)), "demos/grounded": float(grounded),
+            "demos/grounded_share": grounded / len(demos) if demos else float("nan"),
+            "demos/support_paragraphs": float(searched),
+            "demos/support_recall": sum(d.retrieved_support for d in demos) / searched if searched else float("nan")}
 
 
 class QAEnvironment:
@@ -215,17 +333,18 @@ class QAEnvironment:
                                     num_tool_calls=num_tool_calls, info=info)
 
     def solve(self, prompt: Prompt) -> list[str]:
-        """Demonstration turns: search the question (when a turn is left for it), then finish with the gold.
+        """Grounded demonstration turns (``trace.envs.qa_demos``): search each supporting paragraph, finish with
+        the gold only when the retrieved passages support it.
 
         Returns:
-            Action texts; every turn but the last ends with `` Observation:``.
+            Action texts, every turn but the last ending with `` Observation:``; ``[]`` when the retriever never
+            returns evidence for the answer (no demonstration: the warmup skips the question).
         """
-        turns = []
-        if self.max_turns > 1:
-            query = prompt.question[: self.max_query_chars].replace("[", "(").replace("]", ")")
-            turns.append(f"Thought: look it up. Action: search[{query}] {OBSERVATION_MARKER}")
-        turns.append(f"Thought: that answers it. Action: finish[{gold_aliases(prompt.answer)[0]}]")
-        return turns
+        return grounded_demo(self, prompt).actions
+
+    def demonstration_stats(self, prompts: Sequence[Prompt]) -> dict[str, float]:
+        """Grounding of the demonstrations of ``prompts`` (``trace.envs.qa_demos.demonstration_stats``)."""
+        return demonstration_stats(self, prompts)
 
 
 def from_task_config(task_cfg: Any, seed: int = 0, *, root: str | Path | None = None,

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 
 from trace.config import PolicyConfig
 from trace.policy.format import ChatFormat, FormatKind
+from trace.policy.lora import ADAPTER_DIR, is_lora_model, save_adapter, save_merged
 
 POLICY_META_FILE = "trace_policy.json"
 POLICY_META_VERSION = 1
@@ -195,7 +196,9 @@ def save_policy(policy: Policy, path: str | os.PathLike) -> Path:
     """Write the policy (model, tokenizer, format) to the folder ``path``, atomically.
 
     The files go to a temporary sibling folder first, which is then renamed to ``path``; an existing folder
-    at ``path`` is replaced only after the new one is complete.
+    at ``path`` is replaced only after the new one is complete. A LoRA policy (``trace.policy.lora``) is
+    written merged (a plain checkpoint: ``load_policy`` and the vLLM backend read it as any other) with its
+    adapters alone under ``<path>/adapter``.
 
     Returns:
         The folder path.
@@ -204,7 +207,9 @@ def save_policy(policy: Policy, path: str | os.PathLike) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
-        policy.model.save_pretrained(tmp)
+        save_merged(policy.model, tmp)
+        if is_lora_model(policy.model):
+            save_adapter(policy.model, tmp / ADAPTER_DIR)
         policy.tokenizer.save_pretrained(tmp)
         meta = {"version": POLICY_META_VERSION, "format": policy.format.to_dict()}
         (tmp / POLICY_META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))

@@ -31,7 +31,7 @@ semantics of every argument), with vLLM doing the batching, paging and KV reuse:
   push; when it moved, the weights are written to a safetensors file and every engine worker reloads them in
   place (``collective_rpc("reload_weights", weights_path=...)``), then the prefix cache is reset, so KV
   computed by an old policy never serves a new one. Under ZeRO-3 the pushed weights are the gathered full
-  ones (``weights_fn=updater.policy_state_dict``). ``refresh_weights`` does the same on demand.
+  ones (``weights_fn=updater.serving_state_dict``). ``refresh_weights`` does the same on demand.
 - Parallelism: ``tensor_parallel_size`` GPUs per engine; ``data_parallel_size`` independent engine replicas,
   each started with its own slice of ``CUDA_VISIBLE_DEVICES`` (a single ``vllm.LLM`` refuses
   ``data_parallel_size > 1`` in one process). Requests are routed so that a sequence that extends one served
@@ -54,6 +54,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from trace.policy.lora import merged_state_dict, save_merged
 from trace.policy.backends import Generation, request_seeds
 from trace.policy.vllm_engine import VLLMEngineSettings, _environment, replica_devices, vllm_available
 from trace.policy.vllm_requests import _rolling_hashes, completion_finish, route_requests, sampling_params
@@ -73,8 +74,8 @@ class VLLMBackend:
             announced updates (``mark_weights_updated``, done by ``PolicyUpdater`` after every optimizer
             step) are pushed to the engines before the next generation. ``None``: weights change only
             through ``refresh_weights``.
-        weights_fn: returns the full state dict to push (default ``source_model.state_dict()``); required
-            when ``source_model`` is partitioned by ZeRO-3, e.g. ``updater.policy_state_dict`` (a collective:
+        weights_fn: returns the full state dict to push (default the source model's, adapters merged); required
+            when ``source_model`` is partitioned by ZeRO-3, e.g. ``updater.serving_state_dict`` (a collective:
             every rank must reach the refresh together).
         workdir: folder for pushed weight files (default: a new temporary folder, removed by ``close``).
         eos_token_ids: ids that end a generation with ``finish="eos"``; default: the tokenizer's EOS and
@@ -140,7 +141,7 @@ class VLLMBackend:
         """
         if _is_zero3_partitioned(policy.model):
             raise ValueError("the policy's parameters are partitioned by ZeRO-3, so they cannot be saved for vLLM; "
-                             "build the vLLM backend before PolicyUpdater, or save policy_state_dict() first")
+                             "build the vLLM backend before PolicyUpdater, or save serving_state_dict() first")
         settings = settings or VLLMEngineSettings()
         if settings.dtype == "auto":
             # vLLM's "auto" runs a float32 checkpoint in 16-bit, whose logprobs then differ from the trained
@@ -149,7 +150,7 @@ class VLLMBackend:
         owns = workdir is None
         workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="trace-vllm-"))
         model_dir = workdir / "policy"
-        policy.model.save_pretrained(model_dir)
+        save_merged(policy.model, model_dir)  # a LoRA policy: its adapters merged in (trace.policy.lora)
         policy.tokenizer.save_pretrained(model_dir)
         backend = cls(model_dir, settings, source_model=policy.model if track_weights else None,
                       weights_fn=weights_fn, workdir=workdir)
@@ -193,7 +194,7 @@ class VLLMBackend:
 
         Args:
             state_dict: parameter name -> tensor in the Hugging Face naming; ``None`` = ``weights_fn()`` or
-                ``source_model.state_dict()``.
+                the source model's weights (``trace.policy.lora.merged_state_dict``: adapters merged in).
 
         Raises:
             ValueError: no state dict given and no source to read one from, or a ZeRO-3 partitioned source
@@ -205,8 +206,8 @@ class VLLMBackend:
             elif self.source_model is not None:
                 if _is_zero3_partitioned(self.source_model):
                     raise ValueError("the source model is partitioned by ZeRO-3: pass weights_fn="
-                                     "updater.policy_state_dict to VLLMBackend so full weights can be gathered")
-                state_dict = self.source_model.state_dict()
+                                     "updater.serving_state_dict to VLLMBackend so full weights can be gathered")
+                state_dict = merged_state_dict(self.source_model)
             else:
                 raise ValueError("refresh_weights() needs a state_dict when the backend has no source_model")
         folder = save_weights_file(state_dict, self.workdir / "weights")

@@ -66,7 +66,8 @@ def last_hidden_states(model: Any, sequences: Sequence[Sequence[int]], positions
         if pos and not 0 <= min(pos) <= max(pos) < len(seq):
             raise ValueError(f"sequence {s} has {len(seq)} tokens; positions {list(pos)} are out of range")
     device = next(model.parameters()).device
-    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    forward = getattr(model, "get_base_model", lambda: model)().forward  # a LoRA policy passes it through
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(forward).parameters else {}
     out: list[np.ndarray | None] = [None] * len(sequences)
     order = sorted(range(len(sequences)), key=lambda s: len(sequences[s]))
     was_training = model.training

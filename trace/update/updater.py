@@ -7,13 +7,18 @@ this module: DeepSpeed is configured with ``gradient_accumulation_steps = 1`` an
 count, gradients accumulate over all micro-batches, and one ``engine.step()`` per PPO epoch applies them.
 That step therefore equals one step on the token-mean loss of the whole batch.
 
+Only parameters with ``requires_grad`` are optimised: with LoRA (``trace.policy.lora.apply_lora``, before
+the updater is built) that is the adapters, the base weights frozen.
+
 Simplifications: the learning rate is constant (no scheduler); the old log-probs are the rollout's
 sampling log-probs (no recomputation pass); the KL reference, when ``kl_coef > 0``, is a frozen copy of
-the policy given at construction, held unpartitioned on every rank.
+the policy given at construction, held unpartitioned on every rank, or, for a LoRA policy, the same
+module with its adapters switched off (no copy).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import os
@@ -25,6 +30,7 @@ import torch
 
 from trace.config import UpdateConfig
 from trace.losses import clipped_surrogate_loss, kl_penalty_loss, sft_loss, token_logprobs
+from trace.policy.lora import is_lora_model, merged_state_dict
 from trace.policy.weights import mark_weights_updated, weights_version
 from trace.tree import RolloutTree
 from trace.update.batch import TrainingBatch, build_training_batch
@@ -47,7 +53,8 @@ class PolicyUpdater:
         seed: seeds torch's RNG before the engine is built (the RNG state is saved in checkpoints).
         pad_token_id: padding id; ``None`` = ``model.config.pad_token_id`` or 0.
         max_tokens: longest training sequence (``build_training_batch``); ``None`` = no limit.
-        ref_model: frozen KL reference when ``kl_coef > 0``; ``None`` = a copy of ``model`` as given.
+        ref_model: frozen KL reference when ``kl_coef > 0``; ``None`` = a copy of ``model`` as given, or for a
+            LoRA model (``peft.PeftModel``) the model with its adapters off (``reference_is_base``).
 
     Every rank must call ``rl_step`` / ``sft_step`` / ``save_checkpoint`` / ``load_checkpoint`` together.
     After a step the module is left in eval mode, ready for generation.
@@ -79,11 +86,14 @@ class PolicyUpdater:
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.ref_model: torch.nn.Module | None = None
-        if update_cfg.kl_coef > 0:
+        # a LoRA policy's reference is its base: the same module with the adapters off, no second copy
+        self.reference_is_base = update_cfg.kl_coef > 0 and ref_model is None and is_lora_model(model)
+        if update_cfg.kl_coef > 0 and not self.reference_is_base:
             # copied before deepspeed.initialize, which may partition (ZeRO-3) or cast the policy in place
             self.ref_model = copy.deepcopy(ref_model if ref_model is not None else model)
             self.ref_model.requires_grad_(False).eval()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=update_cfg.lr, weight_decay=update_cfg.weight_decay)
+        trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
+        optimizer = torch.optim.AdamW(trainable, lr=update_cfg.lr, weight_decay=update_cfg.weight_decay)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=deepspeed_config(update_cfg))
         if self.ref_model is not None:
@@ -117,14 +127,24 @@ class PolicyUpdater:
         return int(self.engine.global_steps)
 
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full (gathered under ZeRO-3) CPU copy of the policy weights, e.g. to refresh a vLLM engine."""
+        """Full (gathered under ZeRO-3) CPU copy of the module's state dict (with LoRA: base and adapter
+        tensors in peft's naming), e.g. to load into the policy before ``save_policy``. A collective under ZeRO-3."""
+        return self._gathered(lambda module: module.state_dict())
+
+    def serving_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full CPU copy of the weights the policy computes with, in its base model's Hugging Face naming
+        (LoRA adapters merged in, ``trace.policy.lora.merged_state_dict``): what a vLLM engine loads. A
+        collective under ZeRO-3."""
+        return self._gathered(merged_state_dict)
+
+    def _gathered(self, state_fn: Callable[[torch.nn.Module], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         module = self.engine.module
         if self.engine.zero_optimization_stage() == 3:
             import deepspeed
 
             with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-                return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
-        return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+                return {k: v.detach().cpu().clone() for k, v in state_fn(module).items()}
+        return {k: v.detach().cpu().clone() for k, v in state_fn(module).items()}
 
     # ---- forward helpers ----------------------------------------------------------------------------
     @staticmethod
@@ -167,9 +187,11 @@ class PolicyUpdater:
         # tokens actually trained (each generated token once)
         for name in ("losses/clip_frac", "losses/approx_kl"):
             metrics[name] = metrics[name] * (num_tokens / max(num_trained_tokens, 1))
-        if self.ref_model is not None:
-            with torch.no_grad():
-                ref_logprobs = token_logprobs(self._logits(self.ref_model, micro), micro.input_ids, temperature)
+        if self.ref_model is not None or self.reference_is_base:
+            reference = self.ref_model if self.ref_model is not None else self.engine.module
+            adapters_off = self.engine.module.disable_adapter() if self.reference_is_base else contextlib.nullcontext()
+            with torch.no_grad(), adapters_off:
+                ref_logprobs = token_logprobs(self._logits(reference, micro), micro.input_ids, temperature)
             # the KL is a mean over the generated tokens, each once (a shared prefix is one sample)
             kl_loss, kl_metrics = kl_penalty_loss(logprobs, ref_logprobs, micro.loss_mask,
                                                   kl_coef=self.cfg.kl_coef, num_tokens=num_trained_tokens)

@@ -1,0 +1,124 @@
+"""LoRA adapters on the policy (``update.lora``), through ``peft``.
+
+``apply_lora`` wraps ``policy.model`` in a ``peft.PeftModel`` in place: only the adapters train (the
+``PolicyUpdater`` optimises parameters with ``requires_grad``), generation and the predictor run the adapted
+model, and the KL reference is the same model with its adapters switched off (``PeftModel.disable_adapter``),
+so no second copy is kept. Whatever leaves the process sees plain weights in the Hugging Face naming:
+``merged_state_dict`` gives ``W + (alpha / r) B A`` per adapted layer (computed out of place, the live
+model untouched), which ``save_merged`` writes as an ordinary checkpoint (the next stage and the vLLM backend
+load it with ``from_pretrained``) and the vLLM backend pushes after each update. ``trace.policy.model.save_policy``
+also writes the adapters alone under ``<policy>/adapter`` (``PeftModel.from_pretrained`` on the base).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from trace.config_update import LoraConfig
+
+ADAPTER_DIR = "adapter"  # adapters of a LoRA policy, inside the saved policy folder
+_ADAPTER = "default"  # peft's name of the one adapter
+
+
+def is_lora_model(model: Any) -> bool:
+    """Whether ``model`` is a ``peft.PeftModel`` (the policy after ``apply_lora``)."""
+    try:
+        from peft import PeftModel
+    except ImportError:  # peft not installed: nothing can be a LoRA model
+        return False
+    return isinstance(model, PeftModel)
+
+
+def apply_lora(policy: Any, lora_cfg: LoraConfig, seed: int) -> Any:
+    """Wrap ``policy.model`` in LoRA adapters in place, when ``lora_cfg.enabled``.
+
+    The adapter matrices ``A`` get peft's Kaiming init under ``torch.manual_seed(seed)`` and ``B`` zeros, so the
+    adapted model computes exactly what the base does until the first update. The base weights are frozen.
+
+    Args:
+        policy: ``trace.policy.model.Policy``; its ``model`` is replaced by the ``PeftModel``.
+        lora_cfg: the ``update.lora`` section.
+        seed: seeds the adapters' initial weights.
+
+    Returns:
+        ``policy`` (changed in place; unchanged when LoRA is off or the model already has adapters).
+
+    Raises:
+        ValueError: no module of the model matches ``target_modules`` (names the model's linear layers).
+    """
+    if not lora_cfg.enabled or is_lora_model(policy.model):
+        return policy
+    import torch
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    targets = lora_cfg.target_modules if isinstance(lora_cfg.target_modules, str) else list(lora_cfg.target_modules)
+    peft_cfg = PeftLoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
+                              target_modules=targets, bias="none", task_type="CAUSAL_LM")
+    torch.manual_seed(seed)
+    try:
+        policy.model = get_peft_model(policy.model, peft_cfg)
+    except ValueError as err:
+        linear = sorted({name.rsplit(".", 1)[-1] for name, module in policy.model.named_modules()
+                         if isinstance(module, torch.nn.Linear)})
+        raise ValueError(f"update.lora.target_modules={targets} matches no layer of the policy ({err}); its "
+                         f"linear layers are {linear}") from err
+    return policy
+
+
+def merged_state_dict(model: Any) -> dict[str, Any]:
+    """The weights the model computes with, in the base model's Hugging Face naming.
+
+    For a ``PeftModel`` every adapted layer's weight is ``W + delta`` with peft's ``get_delta_weight``
+    (``(alpha / r) B A``, Hu et al. 2021, eq. 3), computed out of place; adapter tensors are left out. Other
+    tensors are the model's own (not copied: tied weights stay tied). Any other model: its ``state_dict()``.
+    Under ZeRO-3 gather the parameters first (``PolicyUpdater.serving_state_dict``).
+
+    Args:
+        model: a ``transformers`` causal LM, or one wrapped by ``apply_lora``.
+
+    Returns:
+        name -> tensor (on the model's device and dtype).
+    """
+    if not is_lora_model(model):
+        return model.state_dict()
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    deltas = {f"{name}.weight": module for name, module in base.named_modules() if isinstance(module, LoraLayer)}
+    merged: dict[str, Any] = {}
+    for key, tensor in base.state_dict().items():
+        if ".lora_" in key:
+            continue
+        key = key.replace(".base_layer.", ".")
+        layer = deltas.get(key)
+        if layer is not None and _ADAPTER in layer.lora_A:
+            tensor = tensor + layer.get_delta_weight(_ADAPTER).to(tensor.dtype)
+        merged[key] = tensor
+    return merged
+
+
+def save_merged(model: Any, folder: str | Path) -> None:
+    """Write ``model`` as a plain Hugging Face checkpoint (``save_pretrained``), adapters merged in.
+
+    Args:
+        model: a ``transformers`` causal LM, or one wrapped by ``apply_lora``.
+        folder: the target folder (created).
+    """
+    folder = Path(folder)
+    if not is_lora_model(model):
+        model.save_pretrained(folder)
+        return
+    model.get_base_model().save_pretrained(folder, state_dict=merged_state_dict(model))
+
+
+def save_adapter(model: Any, folder: str | Path) -> None:
+    """Write the adapters of a LoRA policy alone (``adapter_config.json``, ``adapter_model.safetensors``).
+
+    Raises:
+        ValueError: ``model`` has no adapters.
+    """
+    if not is_lora_model(model):
+        raise ValueError(f"save_adapter needs a model wrapped by apply_lora, got {type(model).__name__}")
+    model.save_pretrained(Path(folder))
