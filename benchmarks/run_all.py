@@ -23,7 +23,7 @@ from typing import Sequence
 
 from benchmarks.common import REPO_ROOT, REPORT_DIR
 
-BENCHMARKS = ("solver_speed", "allocation_quality", "rollout_engine", "orchestration")
+BENCHMARKS = ("solver_speed", "allocation_quality", "rollout_engine", "orchestration", "lora_update")
 _ENV_DEFAULTS = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "2", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                  "PREFECT_LOGGING_LEVEL": "WARNING", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
                  "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -78,6 +78,12 @@ def headline_table(reports: dict[str, dict]) -> str:
                      "", ""))
         rows.append(("no-op dvc repro: seconds", _fmt(orch["noop_dvc_repro_seconds"]), "< 5",
                      _fmt(orch["targets"]["noop_dvc_repro_under_5s"])))
+    lora = reports.get("lora_update", {}).get("results", {}).get("headline")
+    if lora:
+        rows.append(("LoRA / full fine-tuning: RL step time (same batch)", _fmt(lora["lora_vs_full_step_time"]),
+                     "measured", ""))
+        rows.append(("LoRA / full fine-tuning: AdamW state", _fmt(lora["lora_vs_full_optimizer_memory"]), "< 0.1",
+                     _fmt(lora["targets"]["lora_optimizer_state_below_a_tenth_of_full"])))
     lines = ["| measure | result | target | |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
     return "\n".join(lines) + "\n"

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks import allocation_quality, orchestration, rollout_engine, run_all, solver_speed
+from benchmarks import allocation_quality, lora_update, orchestration, rollout_engine, run_all, solver_speed
 from trace.allocation.arms import ARMS, get_arm
 from trace.allocation.prefix import allocate_prefixes, prefix_value
 from trace.config import AllocationConfig, PredictorConfig, PredictorKind, SimulatorConfig
@@ -15,7 +15,7 @@ from trace.predictor import make_predictor
 from trace.tree import FinishReason, Origin, RolloutTree
 
 MAINS = {"solver_speed": solver_speed.main, "allocation_quality": allocation_quality.main,
-         "rollout_engine": rollout_engine.main, "orchestration": orchestration.main}
+         "rollout_engine": rollout_engine.main, "orchestration": orchestration.main, "lora_update": lora_update.main}
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +35,16 @@ def test_quick_run_writes_json_report_and_figure(quick_reports, name):
     assert set(report) >= {"settings", "results", "machine", "git_commit", "duration_s"}
     assert "targets" in report["results"]["headline"]
     assert (quick_reports / f"{name}.png").stat().st_size > 10_000
+
+
+def test_quick_lora_report_trains_only_the_adapters_of_the_same_model(quick_reports):
+    results = json.loads((quick_reports / "lora_update.json").read_text())["results"]
+    full, lora = results["full"], results["lora"]
+    assert 0 < lora["trained_parameters"] < full["trained_parameters"]
+    assert lora["optimizer_state_bytes"] == 8 * lora["trained_parameters"]  # two fp32 moments
+    assert results["headline"]["lora_vs_full_optimizer_memory"] == pytest.approx(
+        lora["optimizer_state_bytes"] / full["optimizer_state_bytes"])
+    assert all(t > 0 for t in full["step_seconds"] + lora["step_seconds"])
 
 
 def test_quick_solver_report_is_exact_on_small_cases(quick_reports):

@@ -166,6 +166,11 @@ def test_gsm8k_solution_parsing():
     assert gsm8k_final_answer("no final line") is None
 
 
+def test_only_annotations_the_calculator_confirms_become_demonstrated_calls():
+    solution = ("<<48/2=24>> <<5x=10>> <<2+2=5>> <<1/3=0.3333333>> <<1,200*2=2,400>> <<3*4=12.0>> <<7-1=six>>")
+    assert gsm8k_calculations(solution) == ["48/2", "1/3", "1,200*2", "3*4"]
+
+
 # ---- environment --------------------------------------------------------------------------------------------
 
 def test_calculate_then_finish_scores_the_gold_answer():

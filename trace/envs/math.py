@@ -215,8 +215,25 @@ def gsm8k_final_answer(solution: str) -> str | None:
 
 
 def gsm8k_calculations(solution: str) -> list[str]:
-    """The calculator annotations ``<<48/2=24>>`` of a GSM8K solution, as expressions (``"48/2"``)."""
-    return [m.group(1).strip() for m in re.finditer(r"<<([^=<>]+)=[^<>]*>>", solution)]
+    """The calculator annotations ``<<48/2=24>>`` of a GSM8K solution that the calculator confirms, as
+    expressions (``"48/2"``).
+
+    An annotation is kept only when ``safe_calculate`` accepts its expression and gives the annotated result
+    (exactly, or within 1e-6 relative for a float); one the calculator refuses (``<<5x=10>>``) or computes
+    otherwise (a typo in the data) is left out, so a demonstration never shows a call whose observation
+    contradicts its own thought.
+    """
+    kept = []
+    for match in re.finditer(r"<<([^=<>]+)=([^<>]*)>>", solution):
+        expression, annotated = match.group(1).strip(), parse_number(match.group(2))
+        try:
+            value = safe_calculate(expression)
+        except CalculatorError:
+            continue
+        if annotated is not None and (value == annotated or abs(float(value) - float(annotated))
+                                      <= 1e-6 * max(1.0, abs(float(annotated)))):
+            kept.append(expression)
+    return kept
 
 
 def canonical_answer(value: Any) -> str:
