@@ -100,8 +100,8 @@ def main(argv=None) -> dict:
     started = time.perf_counter()
     shape = ({"trajectories": 4, "prompt_tokens": 32, "turns": 2, "generated_tokens": 8, "observation_tokens": 8,
               "repeats": 2} if args.quick else
-             {"trajectories": 16, "prompt_tokens": 300, "turns": 3, "generated_tokens": 64, "observation_tokens": 150,
-              "repeats": 3})
+             {"trajectories": 8, "prompt_tokens": 256, "turns": 2, "generated_tokens": 48, "observation_tokens": 128,
+              "repeats": 2})
     lora = LoraConfig(enabled=True)
     update = UpdateConfig(lr=1e-5, micro_batch_size=4, max_grad_norm=1.0)
     with torch_threads(args.threads) as threads:
