@@ -135,7 +135,7 @@ def vllm_backend_over(source_model, workdir, weights_fn=None):
 @pytest.mark.parametrize("zero_stage", [1, 3])
 def test_vllm_sync_pushes_exactly_when_the_updater_stepped(zero_stage, tmp_path):
     updater, tokenizer = make_updater(zero_stage, False)
-    weights_fn = updater.policy_state_dict if zero_stage == 3 else None
+    weights_fn = updater.serving_state_dict if zero_stage == 3 else None
     vllm = vllm_backend_over(updater.module, tmp_path, weights_fn)
     engine = vllm.engines[0]
     assert vllm.sync_weights() is False and engine.reloads == []
@@ -163,5 +163,5 @@ def test_vllm_refresh_of_a_zero3_policy_without_weights_fn_says_how_to_gather(tm
     from trace.policy.weights import mark_weights_updated
 
     mark_weights_updated(updater.module)
-    with pytest.raises(ValueError, match="weights_fn=updater.policy_state_dict"):
+    with pytest.raises(ValueError, match="weights_fn=updater.serving_state_dict"):
         vllm.sync_weights()
