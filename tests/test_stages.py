@@ -86,8 +86,10 @@ def test_recorder_watches_only_configs_loaded_inside_the_block_and_is_removed_af
 def test_stage_params_holds_the_table_values_nested_like_params_yaml():
     cfg = load_config(TINY)
     params = stage_params(cfg, "warmup")
+    lora = {"enabled": False, "rank": 16, "alpha": 32.0, "dropout": 0.0,
+            "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
     assert params["update"] == {"weight_decay": 0.0, "micro_batch_size": 16, "max_grad_norm": 1.0,
-                                "zero_stage": 0, "bf16": False, "offload_optimizer": False}
+                                "zero_stage": 0, "bf16": False, "offload_optimizer": False, "lora": lora}
     assert params["policy"]["hidden_size"] == 32 and params["seed"] == 0
     assert stage_params(cfg, "report")["train"] == {"ablations": ["grpo", "dapo", "trace"], "seeds": [0]}
     with pytest.raises(KeyError, match="stages with a params table"):

@@ -31,7 +31,7 @@ NON_RESULT_PARAMS: tuple[str, ...] = ("train.ablations", "train.seeds", "train.s
                                       "launch")
 
 _WARMUP_UPDATE_KEYS = ("update.weight_decay", "update.micro_batch_size", "update.max_grad_norm",
-                       "update.zero_stage", "update.bf16", "update.offload_optimizer")
+                       "update.zero_stage", "update.bf16", "update.offload_optimizer", "update.lora")
 
 STAGE_PARAMS: dict[str, tuple[str, ...]] = {
     "prepare": ("seed", "task"),
