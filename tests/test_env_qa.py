@@ -286,8 +286,10 @@ def test_http_retriever_failure_names_the_server():
 @needs_data
 def test_make_environment_picks_the_retriever_by_precedence(retrieval_server):
     url, _ = retrieval_server
-    hotpot = make_environment(TaskConfig(name=TaskName.HOTPOTQA, retrieval_top_k=4, max_turns=6), 0)
-    assert isinstance(hotpot.retriever, ContextBM25Retriever) and (hotpot.top_k, hotpot.max_turns) == (4, 6)
+    hotpot = make_environment(TaskConfig(name=TaskName.HOTPOTQA, retrieval_top_k=4, retrieval_max_chars=90,
+                                         max_turns=6), 0)
+    assert isinstance(hotpot.retriever, ContextBM25Retriever)
+    assert (hotpot.top_k, hotpot.max_passage_chars, hotpot.max_turns) == (4, 90, 6)
     served = make_environment(TaskConfig(name=TaskName.NQ, retriever_url=url), 0)
     assert isinstance(served.retriever, HttpRetriever) and served.retriever.url == url + "/retrieve"
     nq = TaskConfig(name=TaskName.NQ, files=DataFileConfig(max_eval=2))

@@ -183,3 +183,28 @@ def test_a_lora_train_stage_samples_with_the_adapters_and_writes_the_merged_poli
     assert (tmp_path / "out" / "final" / ADAPTER_DIR / "adapter_config.json").is_file()
     with torch.no_grad():
         torch.testing.assert_close(final.model(input_ids=ids).logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_warmup_snapshot_of_a_lora_policy_holds_only_the_adapters_and_restores_them():
+    from trace.warmup import restore_snapshot, trainable_snapshot
+
+    model = _lora_policy().model
+    snapshot = trainable_snapshot(model)
+    assert snapshot and all(".lora_" in name for name in snapshot)
+    kept = _logits(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in snapshot:
+                p.add_(0.5)
+    assert not torch.allclose(_logits(model), kept)
+    restore_snapshot(model, snapshot)
+    assert torch.equal(_logits(model), kept)
+    with pytest.raises(KeyError, match="not parameters of the model"):
+        restore_snapshot(_tiny_policy(0), snapshot)
+
+
+def test_a_warmup_snapshot_of_a_full_policy_holds_every_weight():
+    from trace.warmup import trainable_snapshot
+
+    model = _tiny_policy(0)
+    assert set(trainable_snapshot(model)) == {name for name, _ in model.named_parameters()}

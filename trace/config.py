@@ -70,6 +70,7 @@ class TaskConfig(_Section):
     name: TaskName = Field(TaskName.KGQA, description="environment / data source")
     max_turns: int = Field(5, ge=1, description="turns after which an unfinished trajectory is truncated")
     retrieval_top_k: int = Field(3, ge=1, description="passages returned per search (multi-hop QA)")
+    retrieval_max_chars: int = Field(400, ge=1, description="characters of each passage's text a search shows (multi-hop QA)")
     retriever_url: Optional[str] = Field(None, description="Search-R1-compatible HTTP retriever; None = local BM25")
     kgqa: KGQAConfig = KGQAConfig()
     simulator: SimulatorConfig = SimulatorConfig()

@@ -67,12 +67,40 @@ def demonstration_trees(policy, env, prompts: Sequence[Prompt], demo_noise: floa
     return trees
 
 
+def trainable_snapshot(model) -> dict:
+    """Copies of the parameters the SFT trains: every weight, or only a LoRA policy's adapters.
+
+    Returns:
+        ``{parameter name: tensor}`` for each parameter with ``requires_grad`` (``named_parameters`` names; a
+        tied weight once). Frozen weights and buffers never change during the warmup and are not copied, so
+        a LoRA snapshot of SmolLM2-135M is its 4.9 M adapter values, not the 135 M weights.
+    """
+    return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def restore_snapshot(model, snapshot: dict) -> None:
+    """Write a ``trainable_snapshot`` back into ``model`` in place.
+
+    Raises:
+        KeyError: a name of ``snapshot`` is not a parameter of ``model`` (a snapshot of another model).
+    """
+    import torch
+
+    params = dict(model.named_parameters())
+    unknown = sorted(set(snapshot) - set(params))
+    if unknown:
+        raise KeyError(f"snapshot holds {len(unknown)} names that are not parameters of the model, e.g. {unknown[:3]}")
+    with torch.no_grad():
+        for name, value in snapshot.items():
+            params[name].copy_(value)
+
+
 def run_warmup(policy, env, train_prompts: Sequence[Prompt], cfg: Config, *,
                log_metrics: MetricsFn | None = None, progress: bool = True) -> WarmupResult:
     """Supervised fine-tuning on solver demonstrations, stopped in a band of mixed success.
 
     Every ``warmup.eval_every`` steps the sampled success on ``warmup.eval_prompts`` training prompts is
-    measured and the weights are snapshotted. Training stops at the first measurement >= ``target_low``.
+    measured and the trained parameters are snapshotted (``trainable_snapshot``). Training stops at the first measurement >= ``target_low``.
     The kept weights are the first snapshot within ``[target_low, target_high]``; if success jumped over the
     band, the snapshot closest to the band's middle; if ``max_steps`` ran out below the band, the last one.
     ``policy.model`` holds the kept weights on return.
@@ -123,7 +151,7 @@ def run_warmup(policy, env, train_prompts: Sequence[Prompt], cfg: Config, *,
         success = sampled_success(policy, env, eval_prompts, cfg.rollout, seed=step_seed(cfg.seed, step, "warm"),
                                   max_context_tokens=cfg.policy.max_context_tokens)
         result.history.append((step, success))
-        snapshots.append((step, success, {k: v.detach().clone() for k, v in policy.model.state_dict().items()}))
+        snapshots.append((step, success, trainable_snapshot(policy.model)))
         if log_metrics:
             log_metrics({"warmup/success": success}, step)
         return success
@@ -154,7 +182,7 @@ def run_warmup(policy, env, train_prompts: Sequence[Prompt], cfg: Config, *,
         result.reason = "success jumped over the band: kept the measurement closest to its middle"
     else:
         chosen, result.reason = snapshots[-1], "max_steps reached below the band: kept the last weights"
-    policy.model.load_state_dict(chosen[2])
+    restore_snapshot(policy.model, chosen[2])
     mark_weights_updated(policy.model)  # backends serving the policy (the shared vLLM engine) must refresh
     result.chosen_step, result.chosen_success = chosen[0], chosen[1]
     return result

@@ -378,4 +378,5 @@ def from_task_config(task_cfg: Any, seed: int = 0, *, root: str | Path | None = 
                                                                         allowed_roots=allowed_roots)))
     else:
         retriever = ContextBM25Retriever()
-    return QAEnvironment(name, retriever, max_turns=task_cfg.max_turns, top_k=task_cfg.retrieval_top_k)
+    return QAEnvironment(name, retriever, max_turns=task_cfg.max_turns, top_k=task_cfg.retrieval_top_k,
+                         max_passage_chars=task_cfg.retrieval_max_chars)
