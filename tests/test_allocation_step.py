@@ -143,10 +143,25 @@ def test_other_errors_of_the_sampler_stop_the_step():
             allocate_step(get_arm(arm), env.prompts()[:8], Unreachable(env, oracle), ACFG, seeded)
 
 
-def test_continuations_no_prefix_can_take_become_extra_root_rollouts():
+def test_continuations_no_prefix_can_take_become_extra_root_rollouts(monkeypatch):
+    import trace.allocation.step as step_module
+
+    clock = [0.0]
+    monkeypatch.setattr(step_module.time, "perf_counter", lambda: clock[0])
+
+    class SlowSampler(RecordingSampler):  # each sampling call takes 1 s (roots) or 10 s (extra roots) of the clock
+        def sample_roots(self, prompts, counts, salt):
+            clock[0] += 1.0
+            return super().sample_roots(prompts, counts, salt)
+
+        def sample_continuations(self, trees, counts, salt):
+            clock[0] += 10.0
+            super().sample_continuations(trees, counts, salt)
+
     env, oracle = simulator(min_turns=1, max_turns=1)  # every trajectory ends after one turn: no anchors
-    sampler = RecordingSampler(env, oracle)
+    sampler = SlowSampler(env, oracle)
     result = allocate_step(get_arm("tree_random"), env.prompts()[:8], sampler, ACFG, seeded)
     assert sampler.calls == [("sample_roots", "roots"), ("sample_continuations", "extra_roots")]
     assert result.metrics["allocation/extra_root_rollouts"] == 16.0  # T - M = 32 - 16
     assert sum(t.num_trajectories() for t in result.trees) == 32
+    assert result.timings["time/rollout"] == 11.0 and "time/expand" not in result.timings  # every sampling timed

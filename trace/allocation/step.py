@@ -92,8 +92,8 @@ class StepResult:
         metrics: allocation diagnostics in logging order: ``allocation/root_gap``, ``allocation/root_objective``,
             ``allocation/root_upper_bound`` (stage-1 solvers), the root rule's own (``dapo/rounds``,
             ``dapo/no_mixed_group``, ``dapo/kept_groups``), ``allocation/extra_root_rollouts``.
-        timings: seconds, ``time/predict``, ``time/rollout`` and (when continuations were sampled)
-            ``time/expand``.
+        timings: seconds, ``time/predict``, ``time/rollout`` (bare rollouts from the roots, extra root
+            rollouts included) and (when continuations were sampled) ``time/expand``.
         is_filtered: the root rule kept only some of the trees it sampled (``dapo``).
         root_pred_success_prob: (len(sampled_trees),) float64 ``p_i`` stage 1 read for each sampled tree;
             NaN for arms that read no predictor.
@@ -232,7 +232,9 @@ def allocate_step(arm: Arm, candidates: Sequence, sampler: StepSampler, acfg,
         # no trajectory had a non-terminal prefix (every rollout ended in one turn): keep the step at T
         # trajectories with extra bare rollouts from the roots, spread like the root allocation
         extra = split_expansion_budget(counts, unspent)
+        t0 = time.perf_counter()
         sampler.sample_continuations(trees, {(i, 0): int(k) for i, k in enumerate(extra) if k > 0}, "extra_roots")
+        timings["time/rollout"] += time.perf_counter() - t0  # bare rollouts from the roots, as stage 1's
         metrics["allocation/extra_root_rollouts"] = float(unspent)
     return StepResult(trees=trees, sampled_trees=sampled_trees, metrics=metrics, timings=timings,
                       is_filtered=plan.trees is not None, root_pred_success_prob=root_pred, root_counts=root_counts,
