@@ -5,7 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks import allocation_quality, lora_update, orchestration, rollout_engine, run_all, solver_speed
+from benchmarks import (allocation_quality, lora_update, orchestration, real_task_step, rollout_engine, run_all,
+                        solver_speed)
 from trace.allocation.arms import ARMS, get_arm
 from trace.allocation.prefix import allocate_prefixes, prefix_value
 from trace.config import AllocationConfig, PredictorConfig, PredictorKind, SimulatorConfig
@@ -15,7 +16,8 @@ from trace.predictor import make_predictor
 from trace.tree import FinishReason, Origin, RolloutTree
 
 MAINS = {"solver_speed": solver_speed.main, "allocation_quality": allocation_quality.main,
-         "rollout_engine": rollout_engine.main, "orchestration": orchestration.main, "lora_update": lora_update.main}
+         "rollout_engine": rollout_engine.main, "orchestration": orchestration.main, "lora_update": lora_update.main,
+         "real_task_step": real_task_step.main}
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +49,19 @@ def test_quick_lora_report_trains_only_the_adapters_of_the_same_model(quick_repo
     assert all(t > 0 for t in full["step_seconds"] + lora["step_seconds"])
 
 
+def test_quick_step_report_splits_the_step_and_the_profile_adds_up(quick_reports):
+    results = json.loads((quick_reports / "real_task_step.json").read_text())["results"]
+    for arm in ("full", "lora"):
+        seconds = results[arm]["seconds_median"]
+        assert 0 < sum(seconds[k] for k in real_task_step.COMPONENTS) <= seconds["time/step"] * 1.001
+        assert results[arm]["trajectories"] == [16.0]
+    profile = results["profile_full_step"]
+    assert sum(profile["parts"].values()) == pytest.approx(profile["step_seconds"])
+    assert profile["parts"]["model forward (rollouts, predictor, update)"] > 0
+    assert profile["parts"]["autograd backward"] > 0 and profile["parts"]["optimizer step"] > 0
+    assert 0 < profile["of_which_forward"]["linear layers"] < profile["parts"]["model forward (rollouts, predictor, update)"]
+
+
 def test_quick_solver_report_is_exact_on_small_cases(quick_reports):
     results = json.loads((quick_reports / "solver_speed.json").read_text())["results"]
     assert results["root_brute_force"]["dp_max_gap"] == pytest.approx(0.0, abs=1e-12)
@@ -72,7 +87,8 @@ def test_quick_engine_generates_the_same_number_of_tokens_as_generate(quick_repo
 def test_headline_table_lists_every_target(quick_reports):
     reports = {name: json.loads((quick_reports / f"{name}.json").read_text()) for name in MAINS}
     table = run_all.headline_table(reports)
-    for phrase in ("grpo", "certified gap", "model.generate", "shared prefix", "orchestration", "dvc repro"):
+    for phrase in ("grpo", "certified gap", "model.generate", "shared prefix", "orchestration", "dvc repro",
+                   "real-task step"):
         assert phrase in table
 
 
