@@ -7,7 +7,7 @@ of each run; ``summary.md`` is the headline table. With ``--only``, the other be
 ``--out`` (of the same ``--quick`` setting) stay in the summary.
 
 Usage:
-    python -m benchmarks.run_all [--quick] [--out DIR] [--only NAME ...]
+    python -m benchmarks.run_all [--quick] [--out DIR] [--only NAME ...] [--summary-only]
 """
 
 from __future__ import annotations
@@ -101,12 +101,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="tiny settings (smoke test)")
     parser.add_argument("--out", default=str(REPORT_DIR), help=f"report folder (default {REPORT_DIR})")
     parser.add_argument("--only", nargs="+", choices=BENCHMARKS, help="run only these benchmarks")
+    parser.add_argument("--summary-only", action="store_true",
+                        help="run nothing: rewrite summary.md and summary.json from the reports already in --out")
     args = parser.parse_args(argv)
     out = Path(args.out)
     env = {**_ENV_DEFAULTS, **os.environ, "PYTHONPATH": str(REPO_ROOT)}
     summary: dict = {"quick": args.quick, "runs": {}}
     reports: dict[str, dict] = {}
-    for name in args.only or BENCHMARKS:
+    for name in [] if args.summary_only else (args.only or BENCHMARKS):
         cmd = [sys.executable, "-m", f"benchmarks.{name}", "--out", str(out)] + (["--quick"] if args.quick else [])
         print(f"[run_all] {' '.join(cmd[1:])}", flush=True)
         start = time.perf_counter()

@@ -92,6 +92,14 @@ def test_headline_table_lists_every_target(quick_reports):
         assert phrase in table
 
 
+def test_summary_only_rewrites_the_summary_from_the_reports_without_running_any(quick_reports, monkeypatch):
+    monkeypatch.setattr(run_all.subprocess, "run", lambda *a, **k: pytest.fail("--summary-only ran a benchmark"))
+    (quick_reports / "summary.md").write_text("stale\n")
+    summary = run_all.main(["--quick", "--summary-only", "--out", str(quick_reports)])
+    assert set(summary["runs"]) == set(MAINS) and all(r["from_earlier_run"] for r in summary["runs"].values())
+    assert "real-task step" in (quick_reports / "summary.md").read_text()
+
+
 # ---- helpers: hand-worked values ---------------------------------------------------------------------------
 def _tree(uid, trajectories, tree_id=None):
     """One tree: each trajectory is (rewards along is ignored) a list of observation texts then a reward."""
