@@ -101,8 +101,9 @@ def run_warmup(policy, env, train_prompts: Sequence[Prompt], cfg: Config, *,
 
     Every ``warmup.eval_every`` steps the sampled success on ``warmup.eval_prompts`` training prompts is
     measured and the trained parameters are snapshotted (``trainable_snapshot``). Training stops at the first
-    measurement >= ``target_low``. The kept weights are the first snapshot within ``[target_low, target_high]``; if success jumped over the
-    band, the snapshot closest to the band's middle; if ``max_steps`` ran out below the band, the last one.
+    measurement >= ``target_low``. The kept weights are the first snapshot within ``[target_low, target_high]``;
+    if success jumped over the band, the snapshot closest to the band's middle; if ``max_steps`` ran out below
+    the band, the last one.
     ``policy.model`` holds the kept weights on return.
 
     Args:
