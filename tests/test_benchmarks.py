@@ -51,7 +51,8 @@ def test_quick_lora_report_trains_only_the_adapters_of_the_same_model(quick_repo
 
 def test_quick_step_report_splits_the_step_and_the_profile_adds_up(quick_reports):
     results = json.loads((quick_reports / "real_task_step.json").read_text())["results"]
-    for arm in ("full", "lora"):
+    assert set(real_task_step.VARIANTS) == {"full", "lora", "full_bf16", "lora_bf16"}
+    for arm in real_task_step.VARIANTS:
         seconds = results[arm]["seconds_median"]
         assert 0 < sum(seconds[k] for k in real_task_step.COMPONENTS) <= seconds["time/step"] * 1.001
         assert results[arm]["trajectories"] == [16.0]
