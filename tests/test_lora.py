@@ -208,3 +208,55 @@ def test_a_warmup_snapshot_of_a_full_policy_holds_every_weight():
 
     model = _tiny_policy(0)
     assert set(trainable_snapshot(model)) == {name for name, _ in model.named_parameters()}
+
+
+def test_a_lora_policy_generates_through_a_merged_copy_reloaded_at_each_announced_update():
+    from pathlib import Path
+
+    from trace.envs.registry import make_environment
+    from trace.params_file import load_config
+    from trace.policy.hf_backend import HFBackend
+    from trace.policy.lora import merged_copy
+    from trace.policy.weights import mark_weights_updated
+
+    cfg = load_config(Path(__file__).resolve().parent / "params_tiny.yaml")
+    env = make_environment(cfg.task, cfg.seed)
+    plain = build_tiny_policy(cfg.policy, env.vocabulary(), cfg.seed)
+    assert merged_copy(plain.model) is None
+    policy = apply_lora(build_tiny_policy(cfg.policy, env.vocabulary(), cfg.seed), LORA, seed=0)
+
+    def move_adapters(scale: float) -> None:
+        torch.manual_seed(int(scale * 10))
+        with torch.no_grad():
+            for name, param in policy.model.named_parameters():
+                if ".lora_B." in name:
+                    param.add_(torch.randn_like(param) * scale)
+
+    move_adapters(1.0)  # B starts at 0: move it so that merging matters
+    merged = HFBackend(policy.model, policy.tokenizer)
+    adapted = HFBackend(policy.model, policy.tokenizer, merge_lora=False)
+    assert adapted.merged is None
+    prefixes = [policy.tokenizer.convert_tokens_to_ids(["[BOS]", "question", ":"]),
+                policy.tokenizer.convert_tokens_to_ids(["[BOS]", "question", ":", "?"])]
+
+    def generate(backend, seed=3):
+        return backend.generate(prefixes, max_new_tokens=8, temperature=1.0, seed=seed)
+
+    def assert_same(ours, theirs):
+        assert [g.token_ids for g in ours] == [g.token_ids for g in theirs]
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+
+    first = generate(merged)
+    assert_same(first, generate(adapted))
+    copy_model = merged.merged.copy
+    assert merged.merged.num_loads == 1 and not is_lora_model(copy_model)
+    assert not any(".lora_" in name for name, _ in copy_model.named_parameters())
+    generate(merged, seed=4)
+    assert merged.merged.num_loads == 1  # same weights version: no reload
+    move_adapters(2.0)
+    mark_weights_updated(policy.model)
+    moved = generate(merged)
+    assert merged.merged.num_loads == 2 and merged.merged.copy is copy_model
+    assert_same(moved, generate(adapted))
+    assert [g.token_ids for g in moved] != [g.token_ids for g in first]

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from trace.policy.backends import Generation, request_seeds, sample_tokens
+from trace.policy.lora import merged_copy
 from trace.policy.weights import weights_version
 
 
@@ -95,6 +96,8 @@ class HFBackend:
         keep_cache_between_calls: keep the KV of the last call's sequences for prefixes that extend them.
         compact_fraction: drop finished rows from the working batch once the unfinished ones are at most
             this share of it.
+        merge_lora: a LoRA policy generates through ``trace.policy.lora.MergedCopy`` (adapters merged into a
+            plain copy, reloaded after each announced weight update; one base-sized copy more of memory).
 
     Attributes:
         stats: running counts: ``prefill_tokens`` (prefix tokens run through the model), ``reused_tokens``
@@ -102,10 +105,13 @@ class HFBackend:
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, max_batch_size: int = 256, reuse_prefix_cache: bool = True,
-                 keep_cache_between_calls: bool = True, compact_fraction: float = 0.75) -> None:
+                 keep_cache_between_calls: bool = True, compact_fraction: float = 0.75, merge_lora: bool = True
+                 ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
         self.model = model
+        self.merged = merged_copy(model) if merge_lora else None
+        self._net = model  # what the forward passes run (the merged copy, if any, from generate() on)
         self.tokenizer = tokenizer
         self.max_batch_size = int(max_batch_size)
         self.reuse_prefix_cache = reuse_prefix_cache
@@ -181,7 +187,8 @@ class HFBackend:
         seeds = request_seeds(seed, num)
         if self._kept and self._kept_version != weights_version(self.model):
             self.clear_cache()
-        device = next(self.model.parameters()).device
+        self._net = self.merged.module() if self.merged is not None else self.model
+        device = next(self._net.parameters()).device
         # one random stream per request: its tokens do not depend on batching, chunking or prefix sharing
         generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
         results: list[Generation | None] = [None] * num
@@ -289,7 +296,7 @@ class HFBackend:
             for layer, (k, v) in enumerate(layer_kv):
                 cache.update(k, v, layer)
         attention_mask = torch.cat([past_mask, chunk_mask], dim=1)
-        out = self.model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+        out = self._net(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                          position_ids=position_ids.to(device), use_cache=True, logits_to_keep=1,
                          **{self._cache_kwarg: cache})
         self.stats["forward_passes"] += 1
@@ -370,7 +377,7 @@ class HFBackend:
             is_live = torch.zeros(len(work), dtype=torch.long)
             is_live[unfinished] = 1
             batch.attention_mask = torch.cat([batch.attention_mask, is_live[:, None]], dim=1)
-            out = self.model(input_ids=tokens[:, None].to(device), attention_mask=batch.attention_mask.to(device),
+            out = self._net(input_ids=tokens[:, None].to(device), attention_mask=batch.attention_mask.to(device),
                              position_ids=batch.next_position[:, None].to(device), use_cache=True,
                              **{self._cache_kwarg: batch.cache})
             self.stats["forward_passes"] += 1

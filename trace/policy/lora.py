@@ -122,3 +122,61 @@ def save_adapter(model: Any, folder: str | Path) -> None:
     if not is_lora_model(model):
         raise ValueError(f"save_adapter needs a model wrapped by apply_lora, got {type(model).__name__}")
     model.save_pretrained(Path(folder))
+
+
+class MergedCopy:
+    """A plain copy of a LoRA policy with its adapters merged in, refreshed when the policy's weights move.
+
+    The HF backend generates with it: decoding a ``PeftModel`` runs two adapter matmuls and an add beside every
+    adapted projection, which for a small batch on CPU costs as much as the projection itself (about a third
+    of a rollout of SmolLM2-135M, ``benchmarks/real_task_step.py``); the copy computes ``W + (alpha / r) B A``
+    directly. It is built on first use from the base model's config (eager attention, the policy's dtype and
+    device) and reloaded from ``merged_state_dict`` whenever ``weights_version(policy)`` differs from the one it
+    was loaded at, and when the policy's dtype changes (DeepSpeed's bf16 casts the policy in place). Costs one
+    base-sized copy of memory. Its logits match the adapted model's within rounding (float32: about 1e-6).
+
+    Args:
+        model: the ``peft.PeftModel`` policy (not partitioned by ZeRO-3: ``merged_state_dict`` needs the full
+            weights in place).
+    """
+
+    def __init__(self, model: Any) -> None:
+        if not is_lora_model(model):
+            raise TypeError(f"MergedCopy needs a LoRA policy (peft.PeftModel), got {type(model).__name__}")
+        self.policy = model
+        self.copy: Any = None
+        self._loaded_version: int | None = None
+        self.num_loads = 0
+
+    def module(self) -> Any:
+        """The merged copy at the policy's current weights (loaded now if they moved since the last call)."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from trace.policy.weights import weights_version
+
+        ref = next(self.policy.parameters())
+        if self.copy is None:
+            base = self.policy.get_base_model()
+            self.copy = AutoModelForCausalLM.from_config(base.config, attn_implementation="eager",
+                                                         dtype=ref.dtype).to(ref.device).eval()
+            self.copy.generation_config = base.generation_config
+            self.copy.requires_grad_(False)
+        version = weights_version(self.policy)
+        if next(self.copy.parameters()).dtype != ref.dtype:
+            self.copy.to(dtype=ref.dtype)
+            self._loaded_version = None
+        if version != self._loaded_version:
+            with torch.no_grad():
+                self.copy.load_state_dict(merged_state_dict(self.policy), strict=True)
+            self._loaded_version = version
+            self.num_loads += 1
+        return self.copy
+
+
+def merged_copy(model: Any) -> MergedCopy | None:
+    """``MergedCopy(model)`` for a LoRA policy whose weights are in place; ``None`` for any other model and under
+    ZeRO-3, whose partitioned parameters (``ds_id``) hold no full weights to merge."""
+    if not is_lora_model(model) or any(hasattr(p, "ds_id") for p in model.parameters()):
+        return None
+    return MergedCopy(model)
