@@ -133,6 +133,23 @@ def test_bfcl_question_file_with_its_possible_answers():
 
 
 @needs_data
+def test_a_spread_subset_of_a_folder_samples_every_file_and_a_first_subset_only_the_first():
+    first_n = load_prompts(task(TaskName.BFCL, max_train=200, max_eval=50), "train")
+    assert {p.meta["category"] for p in first_n} == {"irrelevance"}  # BFCL's folder, read file by file
+    whole = load_prompts(task(TaskName.BFCL), "train")
+    spread = load_prompts(task(TaskName.BFCL, max_train=200, subset="spread"), "train")
+    assert len(spread) == 200 and {p.prompt_uid for p in spread} <= {p.prompt_uid for p in whole}
+    assert len({p.meta["category"] for p in spread}) >= 5
+    order = {p.prompt_uid: i for i, p in enumerate(whole)}
+    assert [order[p.prompt_uid] for p in spread] == sorted(order[p.prompt_uid] for p in spread)  # file order
+    evals = load_prompts(task(TaskName.BFCL, max_eval=50, subset="spread"), "eval")
+    assert len(evals) == 50 and not {p.prompt_uid for p in evals} & {p.prompt_uid for p in whole}
+    # the sample is chosen by each prompt's own id: a smaller cap keeps a subset of a larger one
+    smaller = load_prompts(task(TaskName.BFCL, max_train=50, subset="spread"), "train")
+    assert {p.prompt_uid for p in smaller} < {p.prompt_uid for p in spread}
+
+
+@needs_data
 def test_bfcl_without_an_answer_file_is_refused(tmp_path):
     question_file = tmp_path / "BFCL_v4_simple_python.json"
     question_file.write_text((SHARED_DATA / "bfcl" / "BFCL_v4_simple_python.json").read_text().splitlines()[0] + "\n")

@@ -61,8 +61,11 @@ class DataFileConfig(_Section):
     answers_path: Optional[str] = Field(None, description="gold answers file (BFCL possible_answer)")
     format: str = Field("auto", description="file format, or 'auto' to detect from the contents")
     on_bad_row: Literal["skip", "raise"] = Field("skip", description="skip bad rows with a counted warning, or stop")
-    max_train: Optional[int] = Field(None, ge=1, description="keep only the first N training examples")
-    max_eval: Optional[int] = Field(None, ge=1, description="keep only the first N evaluation examples")
+    max_train: Optional[int] = Field(None, ge=1, description="keep only N training examples (which: subset)")
+    max_eval: Optional[int] = Field(None, ge=1, description="keep only N evaluation examples (which: subset)")
+    subset: Literal["first", "spread"] = Field("first", description="which N max_train/max_eval keep: the first in "
+                                               "file order, or spread: N drawn by a stable hash of each prompt's "
+                                               "id, whatever the order of files and rows (a folder of categories)")
     eval_fraction: float = Field(0.1, ge=0, lt=1, description="held-out share when no eval file is given")
 
 

@@ -4,8 +4,10 @@ With ``files.eval_path`` each split is its own file, and the eval file's rows ge
 so they never share a ``prompt_uid`` with the train file's rows. Without it, a deterministic hash of each
 prompt's ``prompt_uid`` (of ``meta["dialogue"]`` for API-Bank, so one dialogue's calls stay together) sends
 an ``eval_fraction`` share to ``"eval"``; the assignment does not depend on row order or on the other rows.
-``max_train`` / ``max_eval`` then keep the first N. ``files.format: auto`` detects the format from the first
-readable row's fields.
+``max_train`` / ``max_eval`` then keep N: the first N (``files.subset: first``), or with ``subset: spread`` the
+N whose hash of the same key (salted apart from the split's) is lowest, kept in file order: a sample that does
+not depend on the order of rows or files (a folder read file by file, e.g. BFCL's categories, would otherwise
+give the first category only). ``files.format: auto`` detects the format from the first readable row's fields.
 """
 
 from __future__ import annotations
@@ -136,7 +138,10 @@ def load_split(task_cfg: Any, split: str, *, repo_root: str | Path | None = None
         in_eval = [_eval_share(_split_key(p)) < cfg_files.eval_fraction for p in prompts]
         prompts = [p for p, e in zip(prompts, in_eval) if e == (split == "eval")]
     limit = cfg_files.max_train if split == "train" else cfg_files.max_eval
-    if limit is not None:
+    if limit is not None and cfg_files.subset == "spread":
+        kept = set(sorted(range(len(prompts)), key=lambda i: _eval_share(f"subset/{_split_key(prompts[i])}"))[:limit])
+        prompts = [p for i, p in enumerate(prompts) if i in kept]
+    elif limit is not None:
         prompts = prompts[:limit]
     if collector.bad_rows:
         logger.warning("%s: skipped %d bad rows of %s (first: %s)", task, len(collector.bad_rows), source,
