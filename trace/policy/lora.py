@@ -138,6 +138,9 @@ class MergedCopy:
     Args:
         model: the ``peft.PeftModel`` policy (not partitioned by ZeRO-3: ``merged_state_dict`` needs the full
             weights in place).
+
+    Raises:
+        TypeError: ``model`` is not a LoRA policy.
     """
 
     def __init__(self, model: Any) -> None:
