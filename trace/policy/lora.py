@@ -163,7 +163,6 @@ class MergedCopy:
             base = self.policy.get_base_model()
             self.copy = AutoModelForCausalLM.from_config(base.config, attn_implementation="eager",
                                                          dtype=ref.dtype).to(ref.device).eval()
-            self.copy.generation_config = base.generation_config
             self.copy.requires_grad_(False)
         version = weights_version(self.policy)
         if next(self.copy.parameters()).dtype != ref.dtype:
