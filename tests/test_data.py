@@ -299,6 +299,28 @@ def test_gsm8k_row_without_a_final_answer_is_bad(tmp_path):
     assert [p.answer for p in result.prompts] == ["3"] and "####" in result.bad_rows[0].reason
 
 
+@needs_data
+def test_max_solution_steps_keeps_the_gsm8k_problems_with_few_annotated_steps_in_both_splits():
+    path = "../shared/data/gsm8k/train_first1000.jsonl"
+    whole = {split: load_prompts(task(TaskName.GSM8K, train_path=path), split) for split in ("train", "eval")}
+    easy = {split: load_prompts(task(TaskName.GSM8K, train_path=path, max_solution_steps=2), split)
+            for split in ("train", "eval")}
+    for split in ("train", "eval"):
+        assert easy[split] == [p for p in whole[split] if p.meta["solution_steps"] <= 2]
+        assert 0 < len(easy[split]) < len(whole[split])
+    assert whole["train"][0].meta["solution_steps"] == 2  # Natalia: <<48/2=24>>, <<48+24=72>>
+    assert sum(map(len, easy.values())) == 389  # 18 + 48 + 323 of the file's 1,000 have 0, 1, 2 steps
+    capped = load_prompts(task(TaskName.GSM8K, train_path=path, max_solution_steps=2, max_train=20), "train")
+    assert capped == easy["train"][:20]  # the filter comes before max_train
+
+
+def test_max_solution_steps_on_a_task_without_solution_steps_is_refused(tmp_path):
+    path = write_lines(tmp_path / "qa.jsonl", [json.dumps({"question": "Q?", "answer": "Paris"}).encode()])
+    with pytest.raises(DataError, match=r"max_solution_steps .*row '0' of .*qa\.jsonl"):
+        load_prompts(task(TaskName.NQ, train_path=str(path), eval_fraction=0.0, max_solution_steps=2), "train",
+                     allowed_roots=[tmp_path])
+
+
 def test_qa_aliases_that_normalise_to_nothing_are_dropped_and_the_rest_kept(tmp_path):
     path = write_lines(tmp_path / "qa.jsonl", [json.dumps({"question": "Q?", "answer": ["A+", "AB+", "*"]}).encode()])
     result = load_split(task(TaskName.NQ, train_path=str(path), eval_fraction=0.0), "train", allowed_roots=[tmp_path])

@@ -67,6 +67,8 @@ class DataFileConfig(_Section):
                                                "file order, or spread: N drawn by a stable hash of each prompt's "
                                                "id, whatever the order of files and rows (a folder of categories)")
     eval_fraction: float = Field(0.1, ge=0, lt=1, description="held-out share when no eval file is given")
+    max_solution_steps: Optional[int] = Field(None, ge=0, description="gsm8k: keep only problems whose reference "
+                                              "solution has at most N <<expr=result>> steps, in both splits")
 
 
 class TaskConfig(_Section):

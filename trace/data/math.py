@@ -7,7 +7,8 @@
 
 A prompt's ``answer`` is the canonical final answer; a gold with no number and nothing left after
 normalisation (``trace.envs.answers.is_empty_math_answer``) is a bad row. GSM8K rows keep their calculator
-annotations in ``meta["calculations"]``.
+annotations in ``meta["calculations"]`` (those the calculator confirms) and the number of annotated steps of the
+reference solution in ``meta["solution_steps"]`` (every ``<<expr=result>>``; ``task.files.max_solution_steps``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def _parse_gsm8k(record: dict, task: str, row_idx: int) -> Prompt:
             raise RowError("answer has no final '#### <number>' line")
         final = solution.strip()
     _require_math_answer(final)
-    meta = {"calculations": gsm8k_calculations(solution)}
+    meta = {"calculations": gsm8k_calculations(solution), "solution_steps": solution.count("<<")}
     return Prompt(task, example_id(record, row_idx), question, final, meta)
 
 

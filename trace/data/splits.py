@@ -7,7 +7,8 @@ an ``eval_fraction`` share to ``"eval"``; the assignment does not depend on row 
 ``max_train`` / ``max_eval`` then keep N: the first N (``files.subset: first``), or with ``subset: spread`` the
 N whose hash of the same key (salted apart from the split's) is lowest, kept in file order: a sample that does
 not depend on the order of rows or files (a folder read file by file, e.g. BFCL's categories, would otherwise
-give the first category only). ``files.format: auto`` detects the format from the first readable row's fields.
+give the first category only). ``files.max_solution_steps`` (GSM8K) first drops, from both splits, the problems
+whose reference solution has more annotated steps. ``files.format: auto`` detects the format from the first readable row's fields.
 """
 
 from __future__ import annotations
@@ -92,6 +93,19 @@ def _split_key(prompt: Prompt) -> str:
     return f"{prompt.data_source}/{dialogue}" if dialogue else prompt.prompt_uid
 
 
+def _keep_solution_steps(prompts: list[Prompt], max_steps: int, source: Path) -> list[Prompt]:
+    """The prompts whose reference solution has at most ``max_steps`` annotated steps (``meta["solution_steps"]``)."""
+    missing = next((p for p in prompts if "solution_steps" not in p.meta), None)
+    if missing is not None:
+        raise DataError(f"task.files.max_solution_steps is set, but row {missing.example_id!r} of {source} has no "
+                        "annotated solution steps (a GSM8K answer with <<expr=result>> steps); unset it for this "
+                        "task or file")
+    kept = [p for p in prompts if p.meta["solution_steps"] <= max_steps]
+    logger.info("%s: kept %d of %d problems with at most %d solution steps", source, len(kept), len(prompts),
+                max_steps)
+    return kept
+
+
 def load_split(task_cfg: Any, split: str, *, repo_root: str | Path | None = None,
                allowed_roots: Sequence[str | Path] | None = None) -> LoadResult:
     """Load one split of a real task, with the record of skipped rows.
@@ -109,8 +123,9 @@ def load_split(task_cfg: Any, split: str, *, repo_root: str | Path | None = None
     Raises:
         ValueError: on an unknown split.
         DataError: an unsupported task, a missing or disallowed path, a format that does not fit the task,
-            an unreadable JSON array, no eval data (no ``eval_path`` and ``eval_fraction == 0``), or any bad
-            row when ``files.on_bad_row == "raise"``.
+            an unreadable JSON array, no eval data (no ``eval_path`` and ``eval_fraction == 0``), any bad
+            row when ``files.on_bad_row == "raise"``, or ``files.max_solution_steps`` on rows without annotated
+            solution steps (not GSM8K).
     """
     if split not in SPLITS:
         raise ValueError(f"split {split!r} is not one of {SPLITS}")
@@ -134,6 +149,8 @@ def load_split(task_cfg: Any, split: str, *, repo_root: str | Path | None = None
     prompts = collector.prompts
     if source_key == "eval_path":
         prompts = [dataclasses.replace(p, example_id=f"{EVAL_FILE_ID_PREFIX}{p.example_id}") for p in prompts]
+    if cfg_files.max_solution_steps is not None:
+        prompts = _keep_solution_steps(prompts, cfg_files.max_solution_steps, source)
     if resolved["eval_path"] is None and cfg_files.eval_fraction > 0:
         in_eval = [_eval_share(_split_key(p)) < cfg_files.eval_fraction for p in prompts]
         prompts = [p for p, e in zip(prompts, in_eval) if e == (split == "eval")]
