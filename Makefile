@@ -2,18 +2,20 @@
 #   make run    create .venv, then run the whole pipeline (dvc repro) on the embedded default task
 #   make test   create .venv, then run the test suite
 #   make run-grid  the same pipeline over every arm (the full grid) as a DVC experiment
+#   make run-long  the default arms and seeds for LONG_STEPS RL steps, as a DVC experiment
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PORT ?= 4200
+LONG_STEPS ?= 75
 # The process environment (threads, DeepSpeed, Prefect, offline Hugging Face) is trace/process_env.py's table,
 # read with $(PYTHON) (standard library only, so before .venv exists); variables already set are kept.
 $(foreach assignment,$(shell $(PYTHON) -m trace.process_env --make),$(eval export $(assignment)))
 export PYTHONDONTWRITEBYTECODE :=
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: venv run run-grid test ui serve
+.PHONY: venv run run-grid run-long test ui serve
 
 venv: $(STAMP)
 
@@ -42,6 +44,15 @@ run-grid: venv
 	  $(BIN)/python -m flows.check_params -S "train.ablations=[$$arms]" || exit 1; \
 	  export PREFECT_API_URL=$$($(BIN)/python -m flows.server ensure --port $(PORT)) && \
 	  PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/dvc exp run -S "train.ablations=[$$arms]"; status=$$?; \
+	  $(BIN)/python -m flows.server stop >/dev/null; exit $$status
+
+# The learning run: the default arms x train.seeds for LONG_STEPS steps instead of train.num_steps, with an
+# in-training evaluation every 25 steps; the shared stages (warmup included) come from the cache when unchanged.
+run-long: venv
+	@set -- -S train.num_steps=$(LONG_STEPS) -S train.eval_every=25 -S train.checkpoint_every=25 && \
+	  $(BIN)/python -m flows.check_params "$$@" || exit 1; \
+	  export PREFECT_API_URL=$$($(BIN)/python -m flows.server ensure --port $(PORT)) && \
+	  PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/dvc exp run "$$@"; status=$$?; \
 	  $(BIN)/python -m flows.server stop >/dev/null; exit $$status
 
 test: venv
