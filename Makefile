@@ -37,23 +37,25 @@ run: venv
 	  PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/dvc repro; status=$$?; \
 	  $(BIN)/python -m flows.server stop >/dev/null; exit $$status
 
+# One DVC experiment of params.yaml with the -S overrides that the shell line before it sets as "$$@": the
+# overrides are checked first, then `dvc exp run` against one local Prefect server started for it.
+define dvc_experiment
+$(BIN)/python -m flows.check_params "$$@" || exit 1; \
+	  export PREFECT_API_URL=$$($(BIN)/python -m flows.server ensure --port $(PORT)) && \
+	  PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/dvc exp run "$$@"; status=$$?; \
+	  $(BIN)/python -m flows.server stop >/dev/null; exit $$status
+endef
+
 # The full grid: every registered arm (trace.allocation.arms.ARMS) x train.seeds, as an experiment of
 # params.yaml (dvc exp run -S train.ablations=[...]); the shared stages come from the cache when unchanged.
 run-grid: venv
 	@arms=$$($(BIN)/python -c "from trace.allocation.arms import ARMS; print(','.join(ARMS))") && \
-	  $(BIN)/python -m flows.check_params -S "train.ablations=[$$arms]" || exit 1; \
-	  export PREFECT_API_URL=$$($(BIN)/python -m flows.server ensure --port $(PORT)) && \
-	  PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/dvc exp run -S "train.ablations=[$$arms]"; status=$$?; \
-	  $(BIN)/python -m flows.server stop >/dev/null; exit $$status
+	  set -- -S "train.ablations=[$$arms]" && $(dvc_experiment)
 
 # The learning run: the default arms x train.seeds for LONG_STEPS steps instead of train.num_steps, with an
 # in-training evaluation every 25 steps; the shared stages (warmup included) come from the cache when unchanged.
 run-long: venv
-	@set -- -S train.num_steps=$(LONG_STEPS) -S train.eval_every=25 -S train.checkpoint_every=25 && \
-	  $(BIN)/python -m flows.check_params "$$@" || exit 1; \
-	  export PREFECT_API_URL=$$($(BIN)/python -m flows.server ensure --port $(PORT)) && \
-	  PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/dvc exp run "$$@"; status=$$?; \
-	  $(BIN)/python -m flows.server stop >/dev/null; exit $$status
+	@set -- -S train.num_steps=$(LONG_STEPS) -S train.eval_every=25 -S train.checkpoint_every=25 && $(dvc_experiment)
 
 test: venv
 	$(BIN)/python -m pytest tests
