@@ -116,7 +116,8 @@ def test_every_params_file_holds_every_key_the_dvc_stages_read(path):
 
 @pytest.mark.slow
 def test_hotpotqa_preset_runs_every_dvc_stage_with_smollm2(tmp_path):
-    """A shorter `dvc repro` of the HotpotQA preset: every stage, SmolLM2 saved and reloaded between them."""
+    """A shorter `dvc repro` of the HotpotQA preset: every stage (its cold start included), SmolLM2 saved and reloaded
+    between them."""
     import json
     import os
     import subprocess
@@ -138,6 +139,7 @@ def test_hotpotqa_preset_runs_every_dvc_stage_with_smollm2(tmp_path):
     params["policy"]["max_context_tokens"] = 768
     params["seed_rollouts"].update(num_prompts=4, group_size=2)
     params["allocation"].update(trajectory_budget=4, num_candidates=2, group_size=2, m_max=4)
+    params["warmup"].update(max_steps=1, batch_size=2, eval_every=1, eval_prompts=1)
     params["train"].update(num_steps=1, eval_every=100, eval_prompts=2)
     params["evaluate"].update(num_prompts=2)
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
