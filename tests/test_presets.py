@@ -31,6 +31,14 @@ def test_preset_loads_and_builds_its_environment_on_real_data(path):
     assert text and state.num_turns == 0
 
 
+@pytest.mark.parametrize("name", ["hotpotqa", "gsm8k", "bfcl"])
+def test_real_task_presets_cold_start_with_lora_then_compare_grpo_and_trace(name):
+    cfg = load_config(ROOT / "params" / f"{name}.yaml")
+    assert cfg.warmup.enabled and cfg.update.lora.enabled and cfg.update.bf16
+    assert 0 < cfg.warmup.target_low < cfg.warmup.target_high < 1
+    assert {"grpo", "trace"} <= set(cfg.train.ablations)
+
+
 def _require_smollm2_and_shared_data() -> None:
     import importlib.util
 
@@ -140,7 +148,7 @@ def test_hotpotqa_preset_runs_every_dvc_stage_with_smollm2(tmp_path):
     params["seed_rollouts"].update(num_prompts=4, group_size=2)
     params["allocation"].update(trajectory_budget=4, num_candidates=2, group_size=2, m_max=4)
     params["warmup"].update(max_steps=1, batch_size=2, eval_every=1, eval_prompts=1)
-    params["train"].update(num_steps=1, eval_every=100, eval_prompts=2)
+    params["train"].update(num_steps=1, eval_every=100, eval_prompts=2, ablations=["trace"])
     params["evaluate"].update(num_prompts=2)
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     subprocess.run(["git", "init", "-q"], cwd=project, check=True)
