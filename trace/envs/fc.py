@@ -209,10 +209,13 @@ class FunctionCallingEnvironment:
         """The gold answer as one action text (first acceptable value of each argument; optional ones omitted).
 
         Returns:
-            ``["Thought: ... Action: call[[...]]"]``, or ``finish[]`` when no call is expected.
+            ``["Thought: ... Action: call[[...]]"]``, or ``finish[]`` when no call is expected; ``[]`` (no
+            demonstration) for ``live_relevance``, whose items have no gold call (any call scores).
         """
         category = str(prompt.meta.get("category", ""))
-        if category in IRRELEVANCE_CATEGORIES or category in RELEVANCE_CATEGORIES or not prompt.answer:
+        if category in RELEVANCE_CATEGORIES:
+            return []
+        if category in IRRELEVANCE_CATEGORIES or not prompt.answer:
             return ["Thought: no function fits the request. Action: finish[]"]
         rendered = []
         for entry in prompt.answer:
