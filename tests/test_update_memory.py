@@ -28,7 +28,7 @@ def test_gradient_checkpointing_lowers_the_update_peak_at_the_same_loss():
     assert on["peak_rss_gb"] < off["peak_rss_gb"] - 0.3, (on, off)
 
 
-def test_rows_too_short_are_refused_with_the_fix():
+def test_too_few_tokens_are_refused_with_the_minimum():
     out = subprocess.run([sys.executable, "-m", "scripts.update_memory", "--tokens", "6", "--one", "on"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert out.returncode != 0 and "--tokens >= 12" in out.stderr + out.stdout
