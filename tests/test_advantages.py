@@ -17,7 +17,7 @@ from trace.advantages import (
     group_zscore,
 )
 from trace.config import Estimator
-from trace.tree import Origin, RolloutTree
+from trace.tree import Origin, RewardError, RolloutTree
 
 
 # ---- tree building (also used by the allocation and metric tests) ----------------------------------------
@@ -510,3 +510,13 @@ def test_tree_batch_pairs_list_every_strict_ancestor():
     assert pairs == {(ids[(0, 0, 0)], ids[(0, 0)]), (ids[(0, 0, 0)], ids[(0,)]), (ids[(0, 0, 0)], 0),
                      (ids[(0, 1)], ids[(0,)]), (ids[(0, 1)], 0), (ids[(1,)], 0)}
     assert batch.subtree_leaves[ids[(0,)]] == 2 and batch.subtree_reward[0] == 2.0
+
+
+@pytest.mark.parametrize("bad", ["1", True])
+@pytest.mark.parametrize("estimator", list(ESTIMATORS))
+def test_a_reward_of_the_wrong_type_set_after_construction_stops_every_estimator(estimator, bad):
+    # add_node refuses "1" and True; a reward assigned to the node afterwards must not be read as 1.0
+    tree, ids = make_tree([(0,), (1,)], [1.0, 0.0])
+    tree.nodes[ids[(1,)]].reward = bad
+    with pytest.raises(RewardError, match=rf"tree test/0/kgqa/q0 node {ids[(1,)]}: reward {bad!r} .*not a number"):
+        compute_advantages([tree], estimator)

@@ -15,6 +15,7 @@ from trace.metrics import (
     mixed_group_ratio,
     rollout_metrics,
 )
+from trace.tree import RewardError
 
 
 def flat_groups():
@@ -132,3 +133,11 @@ def test_effective_leaves_with_empty_leaves_are_those_of_the_trees_without_them(
     num_sampled = sum(len(tree.leaves()) for tree in trees)
     num_effective = slow_effective_ratio(pruned) * sum(len(tree.leaves()) for tree in pruned)
     assert effective_ratio(trees) * num_sampled == pytest.approx(num_effective)
+
+
+@pytest.mark.parametrize("bad", ["1", True])
+def test_rollout_metrics_refuse_a_reward_of_the_wrong_type_set_after_construction(bad):
+    trees = flat_groups()
+    trees[1].nodes[2].reward = bad  # prompt b's second leaf, behind add_node's back
+    with pytest.raises(RewardError, match=rf"tree b node 2: reward {bad!r} .*not a number"):
+        rollout_metrics(trees)

@@ -92,3 +92,13 @@ def test_check_tree_rewards_names_the_node_out_of_range():
     with pytest.raises(RewardError, match=r"tree x/0/kgqa/1 node 3: reward 5.0"):
         check_tree_rewards(t, (0.0, 1.0))
     check_tree_rewards(t)  # 5.0 is finite: without a range it passes
+
+
+@pytest.mark.parametrize("bad", ["1", True, float("nan")])
+def test_every_reward_reader_refuses_a_wrong_reward_set_after_construction(bad):
+    t = small_tree()
+    assert t.reward_of(t.nodes[2]) == 1.0 and t.reward_of(t.root) == 0.0  # None reads as 0.0
+    t.nodes[2].reward = bad  # behind add_node's back
+    for read in (lambda: t.reward_of(t.nodes[2]), t.leaf_rewards, t.subtree_stats, t.node_success_labels):
+        with pytest.raises(RewardError, match=r"tree x/0/kgqa/1 node 2: reward"):
+            read()

@@ -83,7 +83,7 @@ def root_rollout_rewards(tree: RolloutTree) -> np.ndarray:
     Continuations and extra root rollouts are ``Origin.BRANCH`` nodes and branching never turns a rollout's
     leaf into an inner node, so these are exactly stage 1's ``m`` trajectories.
     """
-    return np.array([0.0 if n.reward is None else float(n.reward) for n in tree.leaves() if n.origin == Origin.ROLLOUT],
+    return np.array([tree.reward_of(n) for n in tree.leaves() if n.origin == Origin.ROLLOUT],
                     dtype=np.float64)
 
 
@@ -152,7 +152,7 @@ def continuation_rewards(tree: RolloutTree) -> dict[int, np.ndarray]:
     out: dict[int, list[float]] = {}
     for leaf in tree.leaves():
         if leaf.origin == Origin.BRANCH and leaf.branch_anchor_id >= 0:
-            out.setdefault(leaf.branch_anchor_id, []).append(0.0 if leaf.reward is None else float(leaf.reward))
+            out.setdefault(leaf.branch_anchor_id, []).append(tree.reward_of(leaf))
     return {anchor: np.array(rewards, dtype=np.float64) for anchor, rewards in out.items()}
 
 

@@ -194,6 +194,10 @@ def rollout_metrics(trees: Sequence[RolloutTree], num_candidates: int | None = N
         (policy tokens decoded, shared prefixes once), "tools/calls", "rollout/trajectories" (leaves),
         "rollout/prompts" (distinct prompts), "rollout/branches" (continuations sampled from anchors),
         "allocation/anchor_contrast"}``, all floats.
+
+    Raises:
+        RewardError: a reward that is not a finite real number (``"1"``, ``True``, NaN), naming the tree, the
+            node and the value (``RolloutTree.reward_of``).
     """
     batch = TreeBatch.from_trees(trees)
     tokens = _generated_tokens(trees)

@@ -14,7 +14,10 @@ Invariants kept here:
 - A node's ``reward`` is ``None`` or a finite ``float`` (``add_node`` refuses anything else). A reward read
   from an environment's step is checked with ``checked_reward(reward, where, reward_range_of(env))``
   against the environment's declared range, so a reward of 5, -1 or ``"1"`` is refused before it can
-  reach metrics or advantages.
+  reach metrics or advantages. ``reward`` is a plain attribute, so every reader (leaf rewards, labels,
+  advantages, metrics, predictor histories, audits) reads it through ``RolloutTree.reward_of``, which checks
+  it again: a ``"1"`` or ``True`` set on a node after ``add_node`` raises ``RewardError`` where it is read
+  instead of being cast to 1.0.
 """
 
 from __future__ import annotations
@@ -264,15 +267,42 @@ class RolloutTree:
             yield leaf, self.path(leaf.node_id)
 
     # ---- rewards ------------------------------------------------------------------------------
+    def reward_of(self, node: Node) -> float:
+        """The reward of ``node`` as every reader uses it: ``0.0`` for ``None``, else the checked ``float``.
+
+        ``add_node`` checks a reward it is given, but ``node.reward`` can be set afterwards; reading it here
+        (never with ``float(node.reward)``) keeps ``"1"`` or ``True`` from counting as 1.0.
+
+        Args:
+            node: a node of this tree.
+
+        Returns:
+            The reward as a Python ``float`` (``0.0`` when ``node.reward`` is ``None``).
+
+        Raises:
+            RewardError: ``node.reward`` is not a finite real number (``bool`` and strings included); the
+                message names the tree, the node and the value.
+        """
+        if node.reward is None:
+            return 0.0
+        return checked_reward(node.reward, f"tree {self.tree_id} node {node.node_id}")
+
     def leaf_rewards(self) -> np.ndarray:
-        """(L,) float64 rewards of the leaves in ``leaves()`` order; truncated leaves count as given."""
-        return np.array([0.0 if n.reward is None else float(n.reward) for n in self.leaves()], dtype=np.float64)
+        """(L,) float64 rewards of the leaves in ``leaves()`` order; truncated leaves count as given.
+
+        Raises:
+            RewardError: a leaf whose reward is not a finite real number (``reward_of``).
+        """
+        return np.array([self.reward_of(n) for n in self.leaves()], dtype=np.float64)
 
     def subtree_stats(self) -> tuple[np.ndarray, np.ndarray]:
         """Per node: number of descendant leaves and their summed reward.
 
         Returns:
             (num_leaves, reward_sum): two (N,) float64 arrays indexed by ``node_id``; a leaf counts itself.
+
+        Raises:
+            RewardError: a leaf whose reward is not a finite real number (``reward_of``).
         """
         n = len(self.nodes)
         num_leaves = np.zeros(n, dtype=np.float64)
@@ -283,7 +313,7 @@ class RolloutTree:
         for node in self.nodes[1:]:
             if not has_child[node.node_id]:
                 num_leaves[node.node_id] = 1.0
-                reward_sum[node.node_id] = 0.0 if node.reward is None else float(node.reward)
+                reward_sum[node.node_id] = self.reward_of(node)
         # parents precede children, so one reverse sweep accumulates bottom-up
         for node in reversed(self.nodes[1:]):
             num_leaves[node.parent_id] += num_leaves[node.node_id]
@@ -295,6 +325,9 @@ class RolloutTree:
 
         Returns:
             (label, weight): (N,) float64; ``label = reward_sum / num_leaves`` (0 where no leaves).
+
+        Raises:
+            RewardError: a leaf whose reward is not a finite real number (``reward_of``).
 
         References:
             docs/method.md#success-predictor: labels are the mean reward of descendant leaves,

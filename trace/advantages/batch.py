@@ -56,7 +56,9 @@ class TreeBatch:
         """Index ``trees``.
 
         Raises:
-            ValueError: a node id that is not its position, or a non-finite leaf reward (names the tree).
+            ValueError: a node id that is not its position (names the tree).
+            RewardError: a reward that is not a finite real number, e.g. ``"1"``, ``True`` or NaN set on a node
+                after ``add_node`` (``RolloutTree.reward_of``; names the tree, the node and the value).
         """
         sizes = np.array([len(t.nodes) for t in trees], dtype=np.int64)
         offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
@@ -74,16 +76,11 @@ class TreeBatch:
                 if node.node_id != i:
                     raise ValueError(f"tree {tree.tree_id}: node at position {i} has node_id {node.node_id}")
                 parent[base + i] = -1 if node.parent_id < 0 else base + node.parent_id
-                if node.reward is not None:
-                    reward[base + i] = float(node.reward)
+                reward[base + i] = tree.reward_of(node)
                 has_generated[base + i] = any(node.loss_mask)
         num_children = np.bincount(parent[parent >= 0], minlength=num_nodes).astype(np.int64)
         leaf = np.flatnonzero((num_children == 0) & (parent >= 0)).astype(np.int64)
         leaf_reward = reward[leaf]
-        if not np.all(np.isfinite(leaf_reward)):
-            bad = int(leaf[~np.isfinite(leaf_reward)][0])
-            t = int(np.searchsorted(offsets, bad, side="right") - 1)
-            raise ValueError(f"tree {trees[t].tree_id}: leaf node {bad - int(offsets[t])} has a non-finite reward")
 
         leaf_is_empty = ~has_generated[leaf]
         kept = np.flatnonzero(~leaf_is_empty).astype(np.int64)

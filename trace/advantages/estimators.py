@@ -188,6 +188,11 @@ def compute_advantages(trees: Sequence[RolloutTree], estimator="tree_grpo", *, e
 
     Returns:
         per tree, (N_t,) float64 indexed by ``node_id``; root 0.
+
+    Raises:
+        ValueError: unknown estimator or invalid conventions.
+        RewardError: a reward that is not a finite real number (``"1"``, ``True``, NaN), naming the tree, the
+            node and the value (``RolloutTree.reward_of``).
     """
     return get_estimator(estimator)(trees, eps=eps, std_floor=std_floor, clip=clip)
 

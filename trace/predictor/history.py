@@ -79,7 +79,7 @@ class HistoryPredictor(PredictorBase):
             for leaf in tree.leaves():
                 if leaf.origin != Origin.ROLLOUT:
                     continue
-                reward = 0.0 if leaf.reward is None else float(leaf.reward)
+                reward = tree.reward_of(leaf)
                 uid = tree.prompt_uid
                 self.successes[uid] = self.successes.get(uid, 0.0) + reward
                 self.failures[uid] = self.failures.get(uid, 0.0) + (1.0 - reward)

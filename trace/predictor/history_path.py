@@ -46,7 +46,7 @@ def empirical_bayes_prior(trees: Sequence[RolloutTree], min_concentration: float
     """
     rates, sizes = [], []
     for tree in trees:
-        rewards = [0.0 if leaf.reward is None else float(leaf.reward) for leaf in tree.leaves()
+        rewards = [tree.reward_of(leaf) for leaf in tree.leaves()
                    if leaf.origin == Origin.ROLLOUT]
         if rewards:
             rates.append(float(np.mean(rewards)))
@@ -117,7 +117,7 @@ class HistoryPathPredictor(PredictorBase):
             has_child[node.parent_id] = True
         for node in tree.nodes[1:]:
             if not has_child[node.node_id] and node.origin == Origin.ROLLOUT:
-                reward = 0.0 if node.reward is None else float(node.reward)
+                reward = tree.reward_of(node)
                 succ_below[node.node_id] = reward
                 fail_below[node.node_id] = 1.0 - reward
         for node in reversed(tree.nodes[1:]):
