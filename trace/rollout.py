@@ -316,15 +316,19 @@ def trajectory_from_actions(
 ) -> RolloutTree:
     """A teacher-forced trajectory: the given action texts as policy turns, with the tool's observations.
 
-    Each action is tokenized as written (non-final actions normally end with the observation marker); the
-    turn that ends the episode gets EOS appended, so the policy learns to stop. Masks follow the module
-    invariants (1 on action tokens and that EOS, 0 on prompt and observation tokens).
+    Each action is read as the policy would write it after the format's ``turn_prefix``
+    (``ChatFormat.turn_text``: a leading copy of the prefix is dropped, since the prompt and every observation
+    already end with it as context), then tokenized as written (non-final actions normally end with the
+    observation marker); the turn that ends the episode gets EOS appended, so the policy learns to stop. The
+    environment steps on that same text and it is the node's ``action_text``, exactly as in a rollout. Masks
+    follow the module invariants (1 on action tokens and that EOS, 0 on prompt, prefix and observation tokens).
 
     Args:
         policy: ``Policy``.
         env: the environment.
         prompt: the task.
-        actions: the turns' texts, e.g. ``env.solve(prompt)``; the last one must end the episode.
+        actions: the turns' texts, e.g. ``env.solve(prompt)`` (``"Thought: ... Action: ..."``, with or without
+            the format's ``turn_prefix``); the last one must end the episode.
         compute_logprobs: fill ``logprobs`` of action tokens with the policy's teacher-forced log-probabilities
             (temperature 1, one forward pass); otherwise 0.0.
         step, ablation: recorded on the tree (``tree_id = f"{ablation}/{step}/{prompt_uid}"``).
@@ -348,10 +352,11 @@ def trajectory_from_actions(
     tree.add_node(-1, turn_idx=-1, origin=Origin.PROMPT, text=user_message, token_ids=ids, logprobs=[0.0] * len(ids),
                   loss_mask=[0] * len(ids), env_state=state, true_success_prob=_true_success_prob(env, state))
     parent_id = 0
-    for turn_idx, action in enumerate(actions):
+    for turn_idx, written in enumerate(actions):
         if state.done:
-            raise ValueError(f"prompt {prompt.prompt_uid!r}: actions[{turn_idx}] = {action!r} comes after the episode "
-                             f"ended at turn {turn_idx - 1}; drop the extra actions")
+            raise ValueError(f"prompt {prompt.prompt_uid!r}: actions[{turn_idx}] = {written!r} comes after the "
+                             f"episode ended at turn {turn_idx - 1}; drop the extra actions")
+        action = fmt.turn_text(written)  # the prompt / previous observation already ends with the turn prefix
         gen_ids = fmt.encode(tokenizer, action)
         result = env.step(state, action)
         common = dict(turn_idx=turn_idx, origin=Origin.ROLLOUT, action_text=action,

@@ -172,6 +172,27 @@ class ChatFormat:
         bos = [int(tokenizer.bos_token_id)] if tokenizer.bos_token_id is not None else []
         return bos + self.encode(tokenizer, user_message + self.turn_separator + self.turn_prefix)
 
+    def turn_text(self, action: str) -> str:
+        """The part of a written turn that the policy generates: ``action`` without a leading ``turn_prefix``.
+
+        The prefix is context (loss mask 0) that the format places before every policy turn, so what the policy
+        generates, and what a demonstration must train, is the text after it. Solvers write whole ReAct turns
+        (``"Thought: compute 48/2. Action: ..."``) because the words format and formats without a prefix need
+        them whole; with ``turn_prefix="Thought:"`` the turn the policy writes is ``" compute 48/2. Action: ..."``.
+        Without this, a demonstration reads ``Thought:Thought: ...`` and trains the second copy.
+
+        Args:
+            action: a turn's text as a solver writes it.
+
+        Returns:
+            ``action[len(turn_prefix):]`` when ``action`` starts with ``turn_prefix`` (one copy removed, the
+            whitespace after it kept so the turn starts at a token boundary); ``action`` itself otherwise or
+            when the format has no prefix.
+        """
+        if self.turn_prefix and action.startswith(self.turn_prefix):
+            return action[len(self.turn_prefix):]
+        return action
+
     def ends_with_marker(self, action_text: str) -> bool:
         """True when the policy's turn already ended with the observation marker (trailing whitespace ignored)."""
         return action_text.rstrip().endswith(self.observation_marker)
