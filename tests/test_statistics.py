@@ -1,11 +1,12 @@
-"""Means and t-intervals over seeds, paired differences, tokens to a target, bands on a common grid."""
+"""Means and t-intervals over seeds, paired differences, the paired bootstrap over questions and seeds, tokens to a
+target, bands on a common grid."""
 
 import math
 
 import numpy as np
 import pytest
 
-from trace.statistics import common_grid, curve_band, mean_interval, paired_difference, t_quantile, \
+from trace.statistics import common_grid, curve_band, mean_interval, paired_bootstrap, paired_difference, t_quantile, \
     tokens_to_target
 
 
@@ -93,3 +94,79 @@ def test_curve_band_interpolates_each_seed_then_takes_the_interval_pointwise():
     assert np.isnan(mean[1])  # outside every curve
     one_mean, one_low, _ = curve_band(curves[:1], [5.0])
     assert one_mean[0] == pytest.approx(0.5) and np.isnan(one_low[0])
+
+
+def _warmup_and_grpo(fixed: int, broken: int) -> tuple[np.ndarray, np.ndarray]:
+    """200 held-out questions: warmup answers questions 0..79 right (0.400); at seed s grpo breaks questions
+    0..broken-1 and fixes questions 80..80+fixed+s-1, so its gain over warmup is (fixed - broken + s) / 200."""
+    warmup = np.zeros(200)
+    warmup[:80] = 1.0
+    seeds = []
+    for seed in range(3):
+        row = warmup.copy()
+        row[:broken] = 0.0
+        row[80:80 + fixed + seed] = 1.0
+        seeds.append(row)
+    return np.array(seeds), warmup  # (3, 200), (200,)
+
+
+def test_a_gain_the_seed_t_interval_calls_real_is_within_noise_once_questions_are_resampled():
+    # grpo fixes 20-22 questions and breaks 13: gains 0.035, 0.040, 0.045 over one warmup evaluation. The
+    # seed-only t-interval, 0.04 +- 4.303 * 0.005 / sqrt(3) = [+0.028, +0.052], excludes 0; but 35 of the 200
+    # questions change answer, so the question sampling error of the gain is about
+    # sqrt((35 / 200 - 0.04^2) / 200) = 0.029 and the bootstrap interval is about 0.04 +- 0.057
+    grpo, warmup = _warmup_and_grpo(fixed=20, broken=13)
+    seed_only = mean_interval((grpo - warmup).mean(axis=1).tolist())
+    assert (seed_only.low, seed_only.high) == pytest.approx((0.0276, 0.0524), abs=1e-4) and seed_only.excludes_zero
+    iv = paired_bootstrap(grpo, warmup)
+    assert iv.estimator == "bootstrap" and iv.n == 3 and iv.mean == pytest.approx(0.04)
+    assert iv.low < 0 < iv.high and not iv.excludes_zero
+    assert iv.seed_interval == seed_only
+
+
+def test_a_clear_gain_stays_real_under_the_bootstrap():
+    # grpo fixes 40-42 questions and breaks 2: gains 0.190, 0.195, 0.200, question error about 0.03
+    grpo, warmup = _warmup_and_grpo(fixed=40, broken=2)
+    iv = paired_bootstrap(grpo, warmup)
+    assert iv.mean == pytest.approx(0.195) and 0.1 < iv.low < iv.mean < iv.high < 0.3
+    assert iv.excludes_zero
+
+
+def test_a_bootstrap_interval_is_real_only_when_the_seed_t_interval_also_excludes_zero():
+    # one question, ten seeds: gains with mean 0.049 and s = 0.073. The percentile bootstrap of ten values,
+    # about 0.049 +- 1.96 * 0.073 * sqrt(0.9 / 10), excludes 0; the t-interval, 0.049 +- 2.262 * 0.073 /
+    # sqrt(10), does not: too few seeds to call it real
+    gains = np.array([0.15, -0.05, 0.10, 0.0, 0.12, -0.02, 0.09, 0.03, 0.11, -0.04])
+    iv = paired_bootstrap(gains[:, None], np.zeros(1))
+    assert iv.low > 0 and iv.seed_interval.low < 0
+    assert not iv.excludes_zero
+
+
+def test_paired_bootstrap_matches_a_slow_loop_over_the_drawn_seeds_and_questions():
+    rng = np.random.default_rng(3)
+    arm, base = rng.random((3, 7)), rng.random((3, 7))
+    iv = paired_bootstrap(arm, base, num_resamples=400, rng_seed=11)
+    draws = np.random.default_rng(11)  # the same draws, in the same order: seeds, then questions
+    seed_idx, question_idx = draws.integers(0, 3, size=(400, 3)), draws.integers(0, 7, size=(400, 7))
+    means = []
+    for seeds, questions in zip(seed_idx, question_idx):
+        cells = [arm[s, q] - base[s, q] for s in seeds for q in questions]
+        means.append(sum(cells) / len(cells))
+    assert (iv.low, iv.high) == pytest.approx(tuple(np.quantile(means, [0.025, 0.975])), abs=1e-12)
+    assert iv.mean == pytest.approx(float((arm - base).mean()))
+
+
+def test_paired_bootstrap_is_deterministic_and_needs_two_seeds_for_an_interval():
+    grpo, warmup = _warmup_and_grpo(fixed=20, broken=13)
+    assert paired_bootstrap(grpo, warmup) == paired_bootstrap(grpo, warmup)
+    one = paired_bootstrap(grpo[:1], warmup)
+    assert one.n == 1 and one.mean == pytest.approx(0.035) and not one.has_interval and not one.excludes_zero
+
+
+def test_paired_bootstrap_names_what_does_not_line_up():
+    with pytest.raises(ValueError, match=r"baseline must be \(seeds, questions\) = \(3, 200\)"):
+        paired_bootstrap(np.zeros((3, 200)), np.zeros(199))
+    with pytest.raises(ValueError, match="values must be"):
+        paired_bootstrap(np.zeros(200), np.zeros(200))
+    with pytest.raises(ValueError, match="finite"):
+        paired_bootstrap(np.full((2, 2), np.nan), np.zeros(2))

@@ -1,13 +1,18 @@
-"""Statistics over training seeds: means with t-intervals, paired differences, sample-efficiency curves.
+"""Statistics over training seeds: means with t-intervals, paired differences, a paired bootstrap over
+held-out questions and seeds, sample-efficiency curves.
 
 Pure functions of numbers (numpy and ``scipy.stats.t``); the report (``trace.report``) calls them on the
-per-(arm, seed) results read back from MLflow. Conventions (docs/method.md, "Statistics over seeds"):
+per-(arm, seed) results read back from MLflow and the per-question results of the evaluations.
+Conventions (docs/method.md, "Statistics over seeds"):
 
 - A value that is not finite (an arm whose run lacks a metric) is left out of its sample; ``n`` counts the
   values kept.
 - An interval needs two values: with ``n < 2`` its bounds are NaN and no difference is called real.
 - Paired differences pair an arm's value with the baseline's value at the same seed; seeds only one side
   has are left out.
+- An interval says which estimator made it (``Interval.estimator``): ``t`` (t-interval over seeds) or
+  ``bootstrap`` (``paired_bootstrap``: percentile interval over resampled questions and seeds). A bootstrap
+  interval is called real only when the seed-only t-interval of the same difference excludes 0 too.
 """
 
 from __future__ import annotations
@@ -18,6 +23,12 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+T_INTERVAL = "t"  # Interval.estimator: Student-t interval over seeds
+BOOTSTRAP = "bootstrap"  # Interval.estimator: paired bootstrap over questions and seeds (``paired_bootstrap``)
+BOOTSTRAP_RESAMPLES = 10_000  # resamples of ``paired_bootstrap``
+BOOTSTRAP_SEED = 0  # its fixed RNG seed: the same results give the same interval, so the same report
+_BOOTSTRAP_CHUNK = 1_000  # resamples drawn at once (bounds memory at chunk x questions)
+
 
 @dataclass(frozen=True)
 class Interval:
@@ -27,8 +38,11 @@ class Interval:
         mean: sample mean (NaN when ``n == 0``).
         low: lower bound (NaN when ``n < 2``).
         high: upper bound (NaN when ``n < 2``).
-        n: number of finite values the mean is over.
+        n: number of finite values the mean is over (for ``bootstrap``: the seeds).
         confidence: the interval's coverage, e.g. 0.95.
+        estimator: ``"t"`` (``mean_interval``) or ``"bootstrap"`` (``paired_bootstrap``).
+        seed_interval: for ``bootstrap``, the t-interval over seeds of the same difference, which must also
+            exclude 0 for the difference to be called real; None otherwise.
     """
 
     mean: float
@@ -36,6 +50,8 @@ class Interval:
     high: float
     n: int
     confidence: float = 0.95
+    estimator: str = T_INTERVAL
+    seed_interval: Interval | None = None
 
     @property
     def has_interval(self) -> bool:
@@ -49,8 +65,10 @@ class Interval:
 
     @property
     def excludes_zero(self) -> bool:
-        """True when the interval lies wholly above or below 0 (False without an interval)."""
-        return self.has_interval and (self.low > 0 or self.high < 0)
+        """True when the interval lies wholly above or below 0 and so does ``seed_interval`` if set (False
+        without an interval)."""
+        own = self.has_interval and (self.low > 0 or self.high < 0)
+        return own and (self.seed_interval is None or self.seed_interval.excludes_zero)
 
 
 def _finite(values: Sequence[float]) -> np.ndarray:
@@ -134,6 +152,87 @@ def paired_difference(values: Mapping[int, float], baseline: Mapping[int, float]
     diffs = [float(values[s]) - float(baseline[s]) for s in sorted(set(values) & set(baseline))
              if math.isfinite(float(values[s])) and math.isfinite(float(baseline[s]))]
     return mean_interval(diffs, confidence)
+
+
+def paired_bootstrap(values: np.ndarray, baseline: np.ndarray, confidence: float = 0.95,
+                     num_resamples: int = BOOTSTRAP_RESAMPLES, rng_seed: int = BOOTSTRAP_SEED) -> Interval:
+    """Mean difference ``values - baseline`` over seeds and held-out questions, with a percentile interval
+    from a paired bootstrap that resamples questions and seeds.
+
+    Every policy answers the same held-out questions, so a difference is paired by question (and, against
+    another arm, by seed). One resample draws S seeds and Q questions with replacement, independently, and
+    takes the mean difference over the drawn (seed, question) cells; the interval is the
+    ``(1 - c) / 2`` and ``(1 + c) / 2`` quantiles of ``num_resamples`` such means. Resampling questions puts
+    the evaluation's own sampling error (of both sides) into the interval, which a t-interval over seeds
+    leaves out; a ``baseline`` of one evaluation (Q,) is resampled with the questions, so its error is in it.
+
+    Args:
+        values: float array (S, Q): per training seed (row) and held-out question (column) the arm's score,
+            e.g. its greedy reward (1.0 correct, 0.0 wrong).
+        baseline: float array (S, Q), the baseline at the same seeds and questions (paired by seed and
+            question), or (Q,) a single evaluation (the warmup policy) compared with every seed.
+        confidence: coverage in (0, 1).
+        num_resamples: bootstrap resamples, at least 1.
+        rng_seed: seed of ``numpy.random.default_rng``: fixed, so the same inputs give the same interval.
+
+    Returns:
+        ``Interval`` with ``estimator = "bootstrap"``: ``mean`` the mean difference over all S x Q cells,
+        ``low``/``high`` the percentile bounds, ``n = S`` and ``seed_interval`` the t-interval
+        (``mean_interval``) of the S per-seed mean differences. With ``S < 2`` there are no bounds: one
+        seed says nothing of the spread between training runs.
+
+    Raises:
+        ValueError: ``values`` is not 2-D, ``baseline``'s shape is neither (S, Q) nor (Q,), there are no
+            questions, a value is not finite, ``num_resamples < 1`` or ``confidence`` outside (0, 1).
+
+    References:
+        Efron & Tibshirani, "An Introduction to the Bootstrap" (1993), ch. 13 (the percentile interval).
+        Owen, "The pigeonhole bootstrap", Annals of Applied Statistics 1(2) (2007): rows and columns of a
+        crossed design (here seeds and questions) resampled independently. Miller, "Adding Error Bars to
+        Evals" (arXiv 2411.00640): question sampling error and paired differences of evaluations.
+        docs/method.md, "Statistics over seeds".
+    """
+    _check_confidence(confidence)
+    if num_resamples < 1:
+        raise ValueError(f"num_resamples must be at least 1, got {num_resamples}")
+    arm = np.asarray(values, dtype=np.float64)
+    base = np.asarray(baseline, dtype=np.float64)
+    if arm.ndim != 2:
+        raise ValueError(f"values must be (seeds, questions), got shape {arm.shape}")
+    num_seeds, num_questions = arm.shape
+    if base.shape not in (arm.shape, (num_questions,)):
+        raise ValueError(f"baseline must be (seeds, questions) = {arm.shape} or one evaluation "
+                         f"({num_questions},), got shape {base.shape}")
+    if num_questions == 0:
+        raise ValueError("paired_bootstrap needs at least one question")
+    diffs = arm - base  # (S, Q)
+    if not np.isfinite(diffs).all():
+        raise ValueError("paired_bootstrap needs finite scores: leave a seed or question without a result "
+                         "out before the call")
+    nan = float("nan")
+    seed_interval = mean_interval(diffs.mean(axis=1).tolist(), confidence)
+    mean = float(diffs.mean()) if num_seeds else nan
+    if num_seeds < 2:
+        return Interval(mean, nan, nan, num_seeds, confidence, BOOTSTRAP, seed_interval)
+    rng = np.random.default_rng(rng_seed)
+    means = np.empty(num_resamples)
+    for start in range(0, num_resamples, _BOOTSTRAP_CHUNK):
+        size = min(_BOOTSTRAP_CHUNK, num_resamples - start)
+        seed_idx = rng.integers(0, num_seeds, size=(size, num_seeds))  # (b, S)
+        question_idx = rng.integers(0, num_questions, size=(size, num_questions))  # (b, Q)
+        # the mean over the drawn cells weighs each seed and question by how often it was drawn
+        seed_counts = _row_counts(seed_idx, num_seeds)  # (b, S)
+        question_counts = _row_counts(question_idx, num_questions)  # (b, Q)
+        means[start:start + size] = ((seed_counts @ diffs) * question_counts).sum(axis=1) / (
+            num_seeds * num_questions)
+    low, high = np.quantile(means, [(1.0 - confidence) / 2.0, (1.0 + confidence) / 2.0])
+    return Interval(mean, float(low), float(high), num_seeds, confidence, BOOTSTRAP, seed_interval)
+
+
+def _row_counts(indices: np.ndarray, size: int) -> np.ndarray:
+    """(b, k) draws of indices below ``size`` -> (b, size) float64 counts of each index per row."""
+    offsets = (indices + size * np.arange(indices.shape[0])[:, None]).ravel()
+    return np.bincount(offsets, minlength=indices.shape[0] * size).reshape(indices.shape[0], size).astype(np.float64)
 
 
 def tokens_to_target(tokens: Sequence[float], accuracy: Sequence[float], target: float) -> float | None:
