@@ -138,6 +138,82 @@ def test_lora_params_are_checked_and_an_unmatched_target_names_the_layers():
     assert set(merged_state_dict(off.model)) == set(off.model.state_dict())
 
 
+def _load_honouring_ties(folder):
+    """A saved checkpoint loaded as vLLM loads it: built from its config, which ties the output layer to the
+    embeddings when ``tie_word_embeddings`` says so, the output layer's own tensor then skipped."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == config.tie_word_embeddings
+    state = load_file(str(folder / "model.safetensors"))
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    return model
+
+
+@pytest.mark.parametrize("target", ["lm_head", "embed_tokens"])
+def test_lora_on_a_tied_embedding_saves_an_untied_policy_that_serves_what_the_adapted_model_computes(tmp_path,
+                                                                                                      target):
+    import json
+
+    from trace.policy.lora import merged_copy
+
+    cfg = PolicyConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
+    policy = build_tiny_policy(cfg, ["question", ":", "?", "e1", "e2"], 0)
+    assert policy.model.config.tie_word_embeddings
+    base = copy.deepcopy(policy.model)
+    apply_lora(policy, LoraConfig(enabled=True, rank=4, alpha=8.0, target_modules=["q_proj", target]), seed=0)
+    ids = torch.tensor([[0, 1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        torch.testing.assert_close(policy.model(input_ids=ids).logits, base(input_ids=ids).logits)  # untying is exact
+        for name, param in policy.model.named_parameters():
+            if ".lora_" in name:  # peft starts B (of a linear) or A (of an embedding) at 0: move both
+                param.normal_(0.0, 0.2)
+        expected = policy.model(input_ids=ids).logits
+    merged = merged_state_dict(policy.model)
+    assert not torch.equal(merged["lm_head.weight"], merged["model.embed_tokens.weight"])
+    save_policy(policy, tmp_path / "policy")
+    assert json.loads((tmp_path / "policy" / "config.json").read_text())["tie_word_embeddings"] is False
+    with torch.no_grad():
+        served = _load_honouring_ties(tmp_path / "policy")
+        torch.testing.assert_close(served(input_ids=ids).logits, expected, atol=1e-5, rtol=1e-5)
+        # the weights pushed to a vLLM engine started from that folder, and the HF backend's merged copy
+        served.load_state_dict(merged, strict=True)
+        torch.testing.assert_close(served(input_ids=ids).logits, expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(merged_copy(policy.model).module()(input_ids=ids).logits, expected,
+                                   atol=1e-5, rtol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(base.state_dict().values(),
+                                                 _base_weights(policy.model).values()))  # the base is frozen
+
+
+def test_lora_off_the_embeddings_keeps_a_tied_policy_tied(tmp_path):
+    import json
+
+    from safetensors import safe_open
+
+    cfg = PolicyConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
+    policy = apply_lora(build_tiny_policy(cfg, ["question", ":", "?"], 0), LORA, seed=0)
+    model = policy.model.get_base_model()
+    assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    with torch.no_grad():
+        for name, param in policy.model.named_parameters():
+            if ".lora_B." in name:
+                param.normal_(0.0, 0.2)
+        ids = torch.tensor([[0, 1, 2, 3, 4, 5]])
+        expected = policy.model(input_ids=ids).logits
+    save_policy(policy, tmp_path / "policy")
+    assert json.loads((tmp_path / "policy" / "config.json").read_text())["tie_word_embeddings"] is True
+    with safe_open(str(tmp_path / "policy" / "model.safetensors"), "pt") as saved:
+        assert "lm_head.weight" not in saved.keys()  # one tensor for both
+    with torch.no_grad():
+        torch.testing.assert_close(_load_honouring_ties(tmp_path / "policy")(input_ids=ids).logits, expected,
+                                   atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.slow
 def test_a_lora_train_stage_samples_with_the_adapters_and_writes_the_merged_policy(tmp_path, monkeypatch):
     import dataclasses

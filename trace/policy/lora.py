@@ -8,6 +8,14 @@ so no second copy is kept. Whatever leaves the process sees plain weights in the
 model untouched), which ``save_merged`` writes as an ordinary checkpoint (the next stage and the vLLM backend
 load it with ``from_pretrained``) and the vLLM backend pushes after each update. ``trace.policy.model.save_policy``
 also writes the adapters alone under ``<policy>/adapter`` (``PeftModel.from_pretrained`` on the base).
+
+Invariant: the model's ``config.tie_word_embeddings`` says what its merged weights are. Adapting either side
+of tied input/output embeddings (``target_modules`` naming ``lm_head`` or ``embed_tokens``) makes the output
+layer differ from the embeddings, so ``apply_lora`` first unties them: the output layer gets its own frozen
+copy of the embedding matrix and the config says ``tie_word_embeddings: false``. Every merged export (the
+saved policy, the HF backend's merged copy, the vLLM engine's checkpoint and its pushed weights) then holds
+both tensors under an untied config; a loader that honours the flag (vLLM skips a tied model's output layer)
+computes what the adapted model computes. Any other model stays tied.
 """
 
 from __future__ import annotations
@@ -37,7 +45,9 @@ def apply_lora(policy: Any, lora_cfg: LoraConfig, seed: int) -> Any:
     adapted model computes exactly what the base does until the first update. The base weights are frozen.
 
     Args:
-        policy: ``trace.policy.model.Policy``; its ``model`` is replaced by the ``PeftModel``.
+        policy: ``trace.policy.model.Policy``; its ``model`` is replaced by the ``PeftModel``. A model with tied
+            embeddings whose ``lm_head`` or ``embed_tokens`` is a target is untied first (see the module
+            docstring; costs one embedding matrix of memory).
         lora_cfg: the ``update.lora`` section.
         seed: seeds the adapters' initial weights.
 
@@ -56,6 +66,7 @@ def apply_lora(policy: Any, lora_cfg: LoraConfig, seed: int) -> Any:
     targets = lora_cfg.target_modules if isinstance(lora_cfg.target_modules, str) else list(lora_cfg.target_modules)
     peft_cfg = PeftLoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
                               target_modules=targets, bias="none", task_type="CAUSAL_LM")
+    _untie_adapted_embeddings(policy.model, targets)
     torch.manual_seed(seed)
     try:
         policy.model = get_peft_model(policy.model, peft_cfg)
@@ -67,13 +78,49 @@ def apply_lora(policy: Any, lora_cfg: LoraConfig, seed: int) -> Any:
     return policy
 
 
+def _untie_adapted_embeddings(model: Any, targets: str | list[str]) -> bool:
+    """Untie ``model``'s input and output embeddings in place when LoRA will adapt either of them.
+
+    An adapter on one side of a tied pair changes that side only: the merged output layer is no longer the
+    embedding matrix, and a checkpoint still flagged ``tie_word_embeddings: true`` would be served by a loader
+    that honours the flag (vLLM) with the unadapted embeddings as its output layer. The output layer gets its
+    own copy of the matrix (same values, frozen like every base weight under LoRA) and the config is set to
+    ``tie_word_embeddings = False``, so the model computes exactly what it did and says what its weights are.
+
+    Args:
+        model: a ``transformers`` causal LM, before ``get_peft_model``.
+        targets: ``update.lora.target_modules``: module-name suffixes, matched as peft matches them (the name
+            itself or ``.<target>`` at its end), or ``"all-linear"`` (which peft applies to no embedding).
+
+    Returns:
+        Whether it untied.
+    """
+    import torch
+
+    config = getattr(model, "config", None)
+    if not getattr(config, "tie_word_embeddings", False) or isinstance(targets, str):
+        return False
+    embeddings = (model.get_input_embeddings(), model.get_output_embeddings())
+    names = [name for name, module in model.named_modules() if any(module is e for e in embeddings)]
+    if not any(name == target or name.endswith(f".{target}") for name in names for target in targets):
+        return False
+    output = model.get_output_embeddings()
+    output.weight = torch.nn.Parameter(output.weight.detach().clone(), requires_grad=output.weight.requires_grad)
+    config.tie_word_embeddings = False
+    if hasattr(model, "all_tied_weights_keys"):
+        # transformers >= 5 caches the tied pairs at init; a later tie_weights() must not re-tie them
+        model.all_tied_weights_keys = model.get_expanded_tied_weights_keys(all_submodels=True)
+    return True
+
+
 def merged_state_dict(model: Any) -> dict[str, Any]:
     """The weights the model computes with, in the base model's Hugging Face naming.
 
-    For a ``PeftModel`` every adapted layer's weight is ``W + delta`` with peft's ``get_delta_weight``
-    (``(alpha / r) B A``, Hu et al. 2021, eq. 3), computed out of place; adapter tensors are left out. Other
-    tensors are the model's own (not copied: tied weights stay tied). Any other model: its ``state_dict()``.
-    Under ZeRO-3 gather the parameters first (``PolicyUpdater.serving_state_dict``).
+    For a ``PeftModel`` every adapted layer's weight (linear or embedding) is ``W + delta`` with peft's
+    ``get_delta_weight`` (``(alpha / r) B A``, Hu et al. 2021, eq. 3), computed out of place; adapter tensors are
+    left out. Other tensors are the model's own (not copied: tied weights stay tied; ``apply_lora`` unties a
+    tied pair it adapts). Any other model: its ``state_dict()``. Under ZeRO-3 gather the parameters first
+    (``PolicyUpdater.serving_state_dict``).
 
     Args:
         model: a ``transformers`` causal LM, or one wrapped by ``apply_lora``.
@@ -93,7 +140,8 @@ def merged_state_dict(model: Any) -> dict[str, Any]:
             continue
         key = key.replace(".base_layer.", ".")
         layer = deltas.get(key)
-        if layer is not None and _ADAPTER in layer.lora_A:
+        # peft keeps a linear layer's adapter in lora_A, an embedding's in lora_embedding_A
+        if layer is not None and (_ADAPTER in layer.lora_A or _ADAPTER in layer.lora_embedding_A):
             tensor = tensor + layer.get_delta_weight(_ADAPTER).to(tensor.dtype)
         merged[key] = tensor
     return merged
