@@ -30,16 +30,25 @@ def parse_overrides(items: list[str]) -> dict:
     """``["train.num_steps=100", ...]`` -> ``{"train.num_steps": 100}``, values read as YAML (as ``dvc exp run -S``).
 
     Raises:
-        ValueError: an item without ``=`` (the message shows the expected form).
+        ConfigError: an item without ``=``, or a value that is not valid YAML (the message shows the item and
+            the expected form).
     """
     import yaml
+
+    from trace.config import ConfigError
 
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"override {item!r} must be KEY=VALUE, e.g. train.num_steps=100")
-        out[key.strip()] = yaml.safe_load(value)
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} must be KEY=VALUE, e.g. train.num_steps=100")
+        try:
+            out[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            problem = str(getattr(err, "problem", None) or err).strip()
+            raise ConfigError(f"override {item!r}: the value {value!r} is not valid YAML ({problem}); write it as "
+                              "in params.yaml, e.g. train.seeds=[0,1,2] or update.lr=3.0e-4, and quote the "
+                              "whole -S argument in the shell") from None
     return out
 
 
@@ -101,11 +110,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="check with this override KEY=VALUE (repeatable), as dvc exp run -S")
     parser.add_argument("--out", default=None, help="on success write a fixed line to this file (the DVC stage's output)")
     args = parser.parse_args(argv)
-    try:
-        overrides = parse_overrides(args.overrides)
-    except ValueError as err:
-        raise SystemExit(str(err)) from None
-    problem = check_params(args.params, overrides)
+    from trace.errors import user_errors
+
+    with user_errors():
+        problem = check_params(args.params, parse_overrides(args.overrides))
     if problem:
         print(problem, file=sys.stderr)
         raise SystemExit(1)

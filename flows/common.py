@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 from pathlib import Path
 
-from trace.process_env import setup_process_env  # the stages' environment (also the Makefile's)
+from trace.process_env import main_repository, setup_process_env  # the stages' environment (also the Makefile's)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DATA = REPO_ROOT / "data"
@@ -70,7 +69,7 @@ def checkpoint_store() -> Path:
     The store is no DVC output, so DVC's restore of outputs before a run (``dvc exp run`` checks out every
     output from ``dvc.lock``) never replaces a checkpoint.
     """
-    return Path(os.environ.get("DVC_ROOT") or REPO_ROOT) / CHECKPOINTS
+    return main_repository() / CHECKPOINTS
 
 
 def stage_args(description: str, *, ablation: bool = False, argv: list[str] | None = None) -> argparse.Namespace:
@@ -92,10 +91,10 @@ def load_stage_config(args: argparse.Namespace):
 
 
 def build_environment(cfg):
-    """The task's environment (``trace.envs.registry``)."""
+    """The task's environment (``trace.envs.registry``); relative data paths resolve against ``main_repository()``."""
     from trace.envs.registry import make_environment
 
-    return make_environment(cfg.task, cfg.seed, root=REPO_ROOT)
+    return make_environment(cfg.task, cfg.seed, root=main_repository())
 
 
 def read_split(split: str):
@@ -148,16 +147,25 @@ def load_stage_policy(cfg, path: Path):
 
 def stage_main(flow_fn, description: str, *, ablation: bool = False, argv: list[str] | None = None,
                orchestrate: bool = True):
-    """Command-line entry of a stage: parse ``--params`` (and ``--ablation``, ``--seed``), validate the params (a bad
-    value exits with its key, value, rule and fix, no traceback), set the environment, run the stage's flow.
-    ``orchestrate=False`` (a training rank other than 0, which runs ``flow.fn``): no Prefect API calls."""
-    from trace.config import ConfigError
+    """Command-line entry of a stage: parse ``--params`` (and ``--ablation``, ``--seed``), validate the params, set
+    the environment, run the stage's flow. ``orchestrate=False`` (a training rank other than 0, which runs
+    ``flow.fn``): no Prefect API calls.
+
+    An expected error (``trace.errors.UserError``: a bad param, data, prompt, tree or checkpoint file, a retriever
+    that does not answer) ends the process with its one message naming the key, file or row and the fix, and
+    exit status 1; ``TRACE_DEBUG=1`` shows its traceback. Any other error keeps its traceback.
+    """
+    from trace.errors import user_errors
 
     args = stage_args(description, ablation=ablation, argv=argv)
-    try:
-        cfg = load_stage_config(args)
-    except ConfigError as err:  # the message names key, value, rule and fix: no traceback
-        raise SystemExit(str(err)) from None
+    with user_errors():
+        return _run_stage(flow_fn, args, ablation=ablation, orchestrate=orchestrate)
+
+
+def _run_stage(flow_fn, args: argparse.Namespace, *, ablation: bool, orchestrate: bool):
+    from trace.config import ConfigError
+
+    cfg = load_stage_config(args)
     setup_process_env()
     from flows.prefect_runs import owned_flow_runs
 
@@ -166,11 +174,11 @@ def stage_main(flow_fn, description: str, *, ablation: bool = False, argv: list[
             return flow_fn(args.params)
     valid = list(cfg.train.ablations)
     if args.ablation not in valid:
-        raise SystemExit(f"--ablation {args.ablation!r} is not in train.ablations {valid} of {args.params}")
+        raise ConfigError(f"--ablation {args.ablation!r} is not in train.ablations {valid} of {args.params}")
     seed = cfg.seed if args.seed is None else args.seed
     try:
         run_config(cfg, seed)
     except ValueError as err:
-        raise SystemExit(f"{err} ({args.params})") from None
+        raise ConfigError(f"{err} ({args.params})") from None
     with owned_flow_runs() if orchestrate else contextlib.nullcontext():
         return flow_fn(args.params, args.ablation, seed)

@@ -23,6 +23,7 @@ from prefect import flow, task
 from prefect.cache_policies import NONE
 
 from flows.common import REPO_ROOT, setup_process_env
+from trace.errors import UserError, user_errors
 
 
 def _dvc() -> str:
@@ -43,11 +44,23 @@ def dvc_command(overrides: list[str] | None = None, targets: list[str] | None = 
     return cmd + list(targets or [])
 
 
+class StageFailedError(UserError):
+    """``dvc repro`` / ``dvc exp run`` exited non-zero; the failing stage printed its own message before."""
+
+
 @task(name="dvc-repro", cache_policy=NONE, retries=1, retry_delay_seconds=10)
 def run_dvc(cmd: list[str]) -> int:
+    """Run the DVC command in the repository.
+
+    Raises:
+        StageFailedError: it exited non-zero (names the command and status; the stage's error is above it).
+    """
     env = os.environ.copy()
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    subprocess.run(cmd, cwd=REPO_ROOT, env=env, check=True)
+    status = subprocess.run(cmd, cwd=REPO_ROOT, env=env).returncode
+    if status:
+        raise StageFailedError(f"`dvc {' '.join(cmd[1:])}` exited with status {status}: the failing stage printed "
+                               "why above; fix that and run again (stages that finished are cached)")
     return 0
 
 
@@ -72,12 +85,14 @@ def main(argv: list[str] | None = None) -> None:
                        help="param override KEY=VALUE (repeatable), as dvc exp run -S")
         p.add_argument("targets", nargs="*", help="DVC stages to reproduce (default: all)")
     args = parser.parse_args(argv)
+    with user_errors():
+        _run_or_serve(args)
+
+
+def _run_or_serve(args: argparse.Namespace) -> None:
     from flows.check_params import check_params, parse_overrides
 
-    try:
-        problem = check_params(REPO_ROOT / "params.yaml", parse_overrides(args.overrides), undo_hint=False)
-    except ValueError as err:
-        problem = str(err)
+    problem = check_params(REPO_ROOT / "params.yaml", parse_overrides(args.overrides), undo_hint=False)
     if problem:  # before dvc writes the overrides into params.yaml
         raise SystemExit(problem)
     if args.command == "run":

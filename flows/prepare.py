@@ -22,6 +22,7 @@ def task_prompts(cfg, env, split: str):
 
 @flow(name="prepare", log_prints=False)
 def prepare_flow(params: str) -> dict:
+    from trace.data_paths import DataError
     from trace.params_file import load_config
     from trace.prepared import check_unique_prompt_uids, save_prompts
 
@@ -30,6 +31,10 @@ def prepare_flow(params: str) -> dict:
     summary = {}
     with open_run(cfg, "prepare", stage_params(cfg, "prepare")) as run:
         splits = {split: task_prompts(cfg, env, split) for split in ("train", "eval")}
+        for split, prompts in splits.items():  # a real task's loader names the file and skipped rows itself
+            if not prompts:
+                raise DataError(f"task {cfg.task.name.value!r} gave no {split} prompt; raise its prompt counts "
+                                f"in the task section of {params}")
         check_unique_prompt_uids(splits)  # before writing: a clash names both places and leaves no half output
         for split, prompts in splits.items():
             save_prompts(prompts, PREPARED / f"{split}.jsonl")

@@ -333,10 +333,11 @@ def test_qa_aliases_that_normalise_to_nothing_are_dropped_and_the_rest_kept(tmp_
     ("math", {"problem": "P?", "solution": "So $\\boxed{x =}$."}),
 ])
 def test_math_golds_with_nothing_to_compare_are_bad_rows(tmp_path, fmt, row):
-    path = write_lines(tmp_path / "m.jsonl", [json.dumps(row).encode()])
+    good = {"gsm8k": {"question": "Q?", "answer": "It is #### 3"}, "math": {"problem": "P?", "answer": "3"}}[fmt]
+    path = write_lines(tmp_path / "m.jsonl", [json.dumps(row).encode(), json.dumps(good).encode()])
     cfg = task(TaskName.MATH, train_path=str(path), eval_fraction=0.0, format=fmt)
     result = load_split(cfg, "train", allowed_roots=[tmp_path])
-    assert result.prompts == [] and result.bad_rows[0].row == "line 1"
+    assert [p.answer for p in result.prompts] == ["3"] and result.bad_rows[0].row == "line 1"
     assert "no number and nothing is left after normalisation" in result.bad_rows[0].reason
 
 
@@ -457,3 +458,60 @@ def test_the_paths_module_loads_no_environment():
                        "print(sorted(m for m in sys.modules if m.startswith('trace.envs')))")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+# ---- empty and all-bad inputs ------------------------------------------------------------------------------
+
+def test_an_empty_file_is_reported_as_empty_not_as_an_unknown_format(tmp_path):
+    path = tmp_path / "qa.jsonl"
+    path.write_bytes(b"\n  \n")
+    cfg = task(TaskName.BAMBOOGLE, train_path=str(path), eval_fraction=0.0)
+    with pytest.raises(DataError, match=r"qa\.jsonl: the file is empty"):
+        load_prompts(cfg, "train", allowed_roots=[tmp_path])
+
+
+def test_a_file_of_unreadable_rows_names_the_first_instead_of_guessing_a_format(tmp_path):
+    path = write_lines(tmp_path / "qa.jsonl", [b"not json", b'["a list"]'])
+    cfg = task(TaskName.BAMBOOGLE, train_path=str(path), eval_fraction=0.0)
+    with pytest.raises(DataError, match=r"none of its 2 rows is a JSON object \(first, line 1: JSON error"):
+        load_prompts(cfg, "train", allowed_roots=[tmp_path])
+
+
+def test_a_split_whose_every_row_is_bad_is_refused_with_the_file_and_the_skipped_counts(tmp_path):
+    path = write_lines(tmp_path / "qa.jsonl", [json.dumps({"question": "Who?"}).encode(),
+                                               json.dumps({"answer": "x"}).encode(), b"not json"])
+    cfg = task(TaskName.BAMBOOGLE, train_path=str(path), eval_fraction=0.0, format="qa_pairs")
+    with pytest.raises(DataError, match=r"train split of .*qa\.jsonl has no usable prompt: 0 rows parsed, 3 bad "
+                                        r"rows skipped \(first: .*line 1: missing answer"):
+        load_split(cfg, "train", allowed_roots=[tmp_path])
+
+
+def test_a_split_that_the_eval_fraction_leaves_empty_is_refused(tmp_path):
+    path = write_lines(tmp_path / "qa.jsonl", [json.dumps(GOOD).encode()])
+    cfg = task(TaskName.BAMBOOGLE, train_path=str(path), eval_fraction=0.5)
+    splits = {}
+    for split in ("train", "eval"):
+        try:
+            splits[split] = len(load_prompts(cfg, split, allowed_roots=[tmp_path]))
+        except DataError as err:
+            assert "1 rows parsed" in str(err) and "eval_fraction=0.5" in str(err)
+            splits[split] = str(err)
+    assert sorted(v if isinstance(v, int) else -1 for v in splits.values()) == [-1, 1]
+
+
+# ---- relative data paths resolve against the main repository -----------------------------------------------
+
+def test_relative_data_paths_resolve_against_the_main_repository_of_a_queued_experiment(tmp_path, monkeypatch):
+    """``dvc exp run --queue`` runs stages in ``<repo>/.dvc/tmp/exps/<tmp>/`` with ``DVC_ROOT`` = the main
+    repository: ``../shared/data/...`` must mean the main repository's neighbour, not the copy's."""
+    main = tmp_path / "work" / "main"
+    shared = tmp_path / "work" / "shared" / "data" / "nq"
+    shared.mkdir(parents=True)
+    write_lines(shared / "questions.jsonl", [json.dumps(GOOD).encode()])
+    copy = main / ".dvc" / "tmp" / "exps" / "tmpabc"
+    copy.mkdir(parents=True)
+    monkeypatch.setenv("DVC_ROOT", str(main))
+    monkeypatch.delenv("TRACE_DATA_DIRS", raising=False)
+    cfg = task(TaskName.NQ, train_path="../shared/data/nq/questions.jsonl", eval_fraction=0.0)
+    assert resolve_data_path(cfg.files.train_path) == (shared / "questions.jsonl").resolve()
+    assert [p.answer for p in load_prompts(cfg, "train")] == [["Me"]]

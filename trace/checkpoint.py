@@ -19,12 +19,24 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from trace.errors import UserError
 from trace.parallel import barrier, broadcast_object, is_main_process, world_size
 from trace.tree_io import atomic_write_bytes
 
 CHECKPOINT_DIR = "checkpoint"
 STATE_FILE = "train_state.json"
 PREDICTOR_FILE = "predictor.pt"
+
+
+class CheckpointError(UserError, RuntimeError):
+    """A training checkpoint cannot be read (truncated, corrupt); the message names its files and the fix."""
+
+
+def _unreadable(run_dir: Path, what: Path, err: BaseException) -> CheckpointError:
+    return CheckpointError(
+        f"training checkpoint {what} cannot be read ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
+        f"the checkpoint of {Path(run_dir) / CHECKPOINT_DIR} is damaged (e.g. a disk filled up or a copy was cut "
+        f"short). Delete that folder to train the run from step 0: rm -r {Path(run_dir) / CHECKPOINT_DIR}")
 
 
 def state_path(run_dir: str | Path) -> Path:
@@ -87,12 +99,16 @@ def load_checkpoint(run_dir: str | Path, *, updater: Any, predictor: Any, params
     Returns:
         The train state (``next_step``, ``tag``, ``cumulative_tokens``, ``cumulative_trajectories``,
         ``history``, ...) of the loaded checkpoint, or ``None`` when there was none to load.
+
+    Raises:
+        CheckpointError: the state file, the DeepSpeed state or the predictor file of the checkpoint cannot be
+            read (names the file and how to start over).
     """
     import torch
 
     path = state_path(run_dir)
     # rank 0 reads and decides; every rank acts on its answer (a file another rank half-sees cannot split them)
-    state = broadcast_object(json.loads(path.read_text()) if is_main_process() and path.is_file() else None)
+    state = broadcast_object(_read_state(run_dir, path) if is_main_process() and path.is_file() else None)
     if state is None:
         return None
     if state.get("params_hash") != params_hash or state.get("ablation") != ablation:
@@ -114,7 +130,25 @@ def load_checkpoint(run_dir: str | Path, *, updater: Any, predictor: Any, params
             partial.rename(ckpt / universal_tag)
         barrier()
         tag, universal = universal_tag, True
-    updater.load_checkpoint(ckpt, tag=tag, **({"universal": True} if universal else {}))
-    predictor.load_state_dict(torch.load(ckpt / f"{PREDICTOR_FILE}.{state['tag']}", map_location="cpu",
-                                         weights_only=False))
+    try:
+        updater.load_checkpoint(ckpt, tag=tag, **({"universal": True} if universal else {}))
+    except (RuntimeError, OSError, EOFError, KeyError, ValueError) as err:
+        raise _unreadable(run_dir, ckpt / tag, err) from err
+    predictor_path = ckpt / f"{PREDICTOR_FILE}.{state['tag']}"
+    try:
+        predictor_state = torch.load(predictor_path, map_location="cpu", weights_only=False)
+    except (RuntimeError, OSError, EOFError, ValueError) as err:
+        raise _unreadable(run_dir, predictor_path, err) from err
+    predictor.load_state_dict(predictor_state)
+    return state
+
+
+def _read_state(run_dir: str | Path, path: Path) -> dict:
+    """The train state file as a dict; a file that is not a JSON object raises ``CheckpointError``."""
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise _unreadable(Path(run_dir), path, err) from err
+    if not isinstance(state, dict) or "tag" not in state:
+        raise _unreadable(Path(run_dir), path, ValueError("not a train state (no 'tag')"))
     return state

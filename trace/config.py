@@ -21,11 +21,11 @@ from trace.allocation.root import check_root_budget_feasible
 from trace.config_tasks import KGQAConfig, SimulatorConfig  # noqa: F401  (re-exported: task.kgqa, task.simulator)
 from trace.config_tasks import Section as _Section
 from trace.config_update import LoraConfig, UpdateConfig  # noqa: F401  (re-exported: update, update.lora)
+from trace.errors import UserError
 from trace.tasks import enum_members
 
 
-
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A params file is missing, malformed, or holds an invalid / unknown key."""
 
 

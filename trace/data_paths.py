@@ -1,7 +1,8 @@
 """Where a task's data files are, and the errors and records of loading them.
 
-Relative paths are resolved against the repository root; a resolved path must lie under an allowed root
-(the repository, ``<repo>/../shared/data``, or a folder listed in ``$TRACE_DATA_DIRS``, separated by
+Relative paths are resolved against the main repository (``trace.process_env.main_repository``: ``$DVC_ROOT``
+under DVC, so a queued experiment's temporary copy reads the same files); a resolved path must lie under an
+allowed root (that repository, ``<repo>/../shared/data``, or a folder listed in ``$TRACE_DATA_DIRS``, separated by
 ``os.pathsep``) so that a params file cannot point the pipeline at arbitrary files. When
 ``task.files.train_path`` is unset, the task's ``DEFAULT_FILES`` (the offline copies under
 ``../shared/data``) are used as a whole; when it is set, only the given paths are used.
@@ -16,6 +17,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
+
+from trace.errors import UserError
+from trace.process_env import main_repository
 
 if TYPE_CHECKING:
     from trace.envs.base import Prompt
@@ -40,7 +44,7 @@ DEFAULT_FILES: dict[str, dict[str, str]] = {
 FILE_KEYS = ("train_path", "eval_path", "corpus_path", "answers_path")
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A data file is missing, outside the allowed roots, unreadable, or holds a bad row (with on_bad_row=raise)."""
 
 
@@ -78,8 +82,9 @@ class LoadResult:
 
 
 def default_allowed_roots(repo_root: str | Path | None = None) -> list[Path]:
-    """The repository, ``<repo>/../shared/data`` and every folder in ``$TRACE_DATA_DIRS``."""
-    root = Path(repo_root or REPO_ROOT).resolve()
+    """The repository (default ``main_repository()``), ``<repo>/../shared/data`` and every folder in
+    ``$TRACE_DATA_DIRS``."""
+    root = Path(repo_root or main_repository()).resolve()
     roots = [root, (root.parent / "shared" / "data").resolve()]
     roots += [Path(p).expanduser().resolve() for p in os.environ.get(DATA_DIRS_ENV, "").split(os.pathsep) if p.strip()]
     return roots
@@ -91,7 +96,7 @@ def resolve_data_path(path: str | Path, *, repo_root: str | Path | None = None,
 
     Args:
         path: relative (to ``repo_root``) or absolute path; symlinks are resolved before the check.
-        repo_root: the repository root (default: the folder holding ``trace/``).
+        repo_root: the repository root (default: ``main_repository()``, the folder holding ``trace/`` outside DVC).
         allowed_roots: folders the path may lie under (default: ``default_allowed_roots(repo_root)``).
 
     Returns:
@@ -100,7 +105,7 @@ def resolve_data_path(path: str | Path, *, repo_root: str | Path | None = None,
     Raises:
         DataError: if the path resolves outside every allowed root.
     """
-    root = Path(repo_root or REPO_ROOT).resolve()
+    root = Path(repo_root or main_repository()).resolve()
     raw = Path(path).expanduser()
     full = (raw if raw.is_absolute() else root / raw).resolve()
     roots = [Path(r).expanduser().resolve() for r in

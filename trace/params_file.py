@@ -108,6 +108,26 @@ def read_params_file(path: str | Path) -> dict:
     return data
 
 
+def set_dotted(data: dict, key: str, value: Any, source: str = "<params>") -> None:
+    """Set the dotted ``key`` (``"train.num_steps"``) of a params mapping to ``value``, creating sections.
+
+    Raises:
+        ConfigError: the key is empty or has an empty part, or a part before the last names a value that is
+            not a section (``seed.x`` when ``seed`` is a number); the message names the key and ``source``.
+    """
+    parts = key.split(".")
+    if not all(part.strip() for part in parts):
+        raise ConfigError(f"override {key!r}: a key is dotted section names, e.g. train.num_steps")
+    node = data
+    for depth, part in enumerate(parts[:-1]):
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            section = ".".join(parts[:depth + 1])
+            raise ConfigError(f"override {key!r}: {section} is a value ({node!r} in {source}), not a section "
+                              f"with keys; set {section}=VALUE instead, or pick a key of a section")
+    node[parts[-1]] = value
+
+
 def load_config(path: str | Path = "params.yaml", overrides: dict | None = None) -> Config:
     """Load and validate a params file.
 
@@ -117,15 +137,11 @@ def load_config(path: str | Path = "params.yaml", overrides: dict | None = None)
 
     Raises:
         ConfigError: the file is missing, is not a YAML mapping, repeats a key, or holds an invalid / unknown
-            key.
+            key; or an override's key passes through a value that is not a section.
     """
     path = Path(path)
     data = read_params_file(path)
     for key, value in (overrides or {}).items():
-        node = data
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
+        set_dotted(data, key, value, source=str(path))
     # looked up on the module at call time, so that trace.stages.record_param_reads sees the configs made here
     return config.config_from_dict(data, str(path))

@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from trace.envs.base import Prompt, prompts_by_uid
+from trace.errors import UserError
 from trace.tree_io import atomic_write_bytes
 
 
-class PreparedFileError(ValueError):
+class PreparedFileError(UserError, ValueError):
     """A prepared prompt file is missing or malformed."""
 
 

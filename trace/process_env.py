@@ -78,6 +78,22 @@ def select_accelerator(environ: MutableMapping[str, str] | None = None) -> str |
     return environ.get("DS_ACCELERATOR")
 
 
+def main_repository(environ: Mapping[str, str] | None = None) -> Path:
+    """The repository whose shared state a stage reads and writes: ``$DVC_ROOT``, else this repository.
+
+    DVC sets ``DVC_ROOT`` for every stage command to the repository it was started in; a queued experiment
+    (``dvc exp run --queue``) runs in a temporary copy under ``.dvc/tmp/exps``, and DVC points ``DVC_ROOT`` at
+    the main repository there too. Everything outside DVC's outputs resolves against it: relative data paths
+    (``task.files``, and the allowed ``../shared/data`` next to it), training checkpoints, the default MLflow
+    database.
+
+    Args:
+        environ: the environment to read; ``None`` = ``os.environ``.
+    """
+    environ = os.environ if environ is None else environ
+    return Path(environ.get("DVC_ROOT") or REPO_ROOT).resolve()
+
+
 def setup_process_env() -> None:
     """Set the environment the stages need (``PROCESS_ENV``, then ``select_accelerator``), keeping anything
     the user already set."""

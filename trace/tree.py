@@ -31,10 +31,12 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from trace.errors import UserError
+
 ROOT_PARENT_ID = -1
 
 
-class RewardError(ValueError):
+class RewardError(UserError, ValueError):
     """A reward that is not a finite real number, or lies outside the environment's declared reward range."""
 
 

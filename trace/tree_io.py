@@ -28,6 +28,7 @@ from typing import Iterable, Iterator, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from trace.errors import UserError
 from trace.tree import FinishReason, Node, Origin, RewardError, RolloutTree, check_tree_rewards, checked_reward
 
 SCHEMA_VERSION = 1
@@ -66,7 +67,7 @@ NODE_SCHEMA = pa.schema(
 _TREE_FIELDS = ("tree_id", "prompt_uid", "data_source", "example_id", "ablation", "step")
 
 
-class TreeFileError(ValueError):
+class TreeFileError(UserError, ValueError):
     """A Parquet file of rollout trees is missing, truncated, foreign, of another version, or inconsistent."""
 
 

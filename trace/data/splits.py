@@ -25,7 +25,7 @@ from trace.data.fc import detect_format as detect_fc_format, load_api_bank_descr
 from trace.data.math import FORMATS as MATH_FORMATS, PARSERS as MATH_PARSERS, detect_format as detect_math_format
 from trace.data_paths import DataError, LoadResult, effective_files, require_file, resolve_data_path, task_name
 from trace.data.qa import FORMATS as QA_FORMATS, PARSERS as QA_PARSERS, detect_format as detect_qa_format
-from trace.data.records import Collector, RowParser, collect_rows, iter_records
+from trace.data.records import Collector, RowError, RowParser, collect_rows, iter_records
 from trace.envs.base import Prompt
 from trace.tasks import FUNCTION_CALLING, MATH, QA, TASKS, file_task_names, task_names
 
@@ -54,13 +54,20 @@ def _detect_format(task: str, record: dict) -> str | None:
 def _load_records_file(path: Path, task: str, fmt: str, collector: Collector) -> str:
     """Parse every row of one JSON / JSON-lines file into ``collector``; return the format used."""
     rows = list(iter_records(path))
+    if not rows:
+        raise DataError(f"{path}: the file is empty (no rows); point task.files.train_path / eval_path at a file "
+                        "with one JSON object per line or a JSON array of rows")
     if fmt == "auto":
         fmt = next((f for _, _, r in rows if isinstance(r, dict) for f in [_detect_format(task, r)] if f), None) or ""
         if not fmt:
             first = next((r for _, _, r in rows if isinstance(r, dict)), None)
-            fields = sorted(first)[:12] if isinstance(first, dict) else None
-            raise DataError(f"{path}: cannot tell the format for task {task!r} (first row fields {fields}); set "
-                            f"task.files.format to one of {list(TASK_FORMATS[task])}")
+            if first is None:
+                label, _, record = rows[0]
+                why = str(record) if isinstance(record, RowError) else f"a {type(record).__name__}, not a JSON object"
+                raise DataError(f"{path}: none of its {len(rows)} rows is a JSON object (first, {label}: {why}); "
+                                "the file must hold one JSON object per line or a JSON array of objects")
+            raise DataError(f"{path}: cannot tell the format for task {task!r} (first row fields {sorted(first)[:12]}); "
+                            f"set task.files.format to one of {list(TASK_FORMATS[task])}")
     collect_rows(rows, path, task, _PARSERS[fmt], collector)
     return fmt
 
@@ -106,6 +113,21 @@ def _keep_solution_steps(prompts: list[Prompt], max_steps: int, source: Path) ->
     return kept
 
 
+def _no_prompt_message(task: str, split: str, source: Path, num_read: int, bad_rows: Sequence, cfg_files: Any) -> str:
+    """Why a split came out empty: rows read, bad rows skipped (with the first reasons), and the filters."""
+    parts = [f"{num_read} rows parsed"]
+    if bad_rows:
+        firsts = "; ".join(str(b) for b in list(bad_rows)[:3])
+        parts.append(f"{len(bad_rows)} bad rows skipped (first: {firsts})")
+    if num_read and cfg_files.max_solution_steps is not None:
+        parts.append(f"task.files.max_solution_steps={cfg_files.max_solution_steps} may have dropped the rest")
+    if num_read and cfg_files.eval_path is None and cfg_files.eval_fraction > 0:
+        parts.append(f"task.files.eval_fraction={cfg_files.eval_fraction} sends a share of the rows to eval; "
+                     "a file this small may leave a split empty")
+    return (f"task {task!r}: the {split} split of {source} has no usable prompt: " + ", ".join(parts)
+            + "; fix the file's rows or point task.files at another file")
+
+
 def load_split(task_cfg: Any, split: str, *, repo_root: str | Path | None = None,
                allowed_roots: Sequence[str | Path] | None = None) -> LoadResult:
     """Load one split of a real task, with the record of skipped rows.
@@ -123,8 +145,9 @@ def load_split(task_cfg: Any, split: str, *, repo_root: str | Path | None = None
     Raises:
         ValueError: on an unknown split.
         DataError: an unsupported task, a missing or disallowed path, a format that does not fit the task,
-            an unreadable JSON array, no eval data (no ``eval_path`` and ``eval_fraction == 0``), any bad
-            row when ``files.on_bad_row == "raise"``, or ``files.max_solution_steps`` on rows without annotated
+            an unreadable JSON array, an empty file, no eval data (no ``eval_path`` and ``eval_fraction == 0``),
+            a split with no usable prompt (every row bad or filtered out), any bad row when
+            ``files.on_bad_row == "raise"``, or ``files.max_solution_steps`` on rows without annotated
             solution steps (not GSM8K).
     """
     if split not in SPLITS:
@@ -147,6 +170,7 @@ def load_split(task_cfg: Any, split: str, *, repo_root: str | Path | None = None
     collector = Collector(cfg_files.on_bad_row)
     formats = _load_source(task, source, resolved, cfg_files.format, collector)
     prompts = collector.prompts
+    num_read = len(prompts)
     if source_key == "eval_path":
         prompts = [dataclasses.replace(p, example_id=f"{EVAL_FILE_ID_PREFIX}{p.example_id}") for p in prompts]
     if cfg_files.max_solution_steps is not None:
@@ -163,6 +187,8 @@ def load_split(task_cfg: Any, split: str, *, repo_root: str | Path | None = None
     if collector.bad_rows:
         logger.warning("%s: skipped %d bad rows of %s (first: %s)", task, len(collector.bad_rows), source,
                        collector.bad_rows[0])
+    if not prompts:
+        raise DataError(_no_prompt_message(task, split, source, num_read, collector.bad_rows, cfg_files))
     return LoadResult(prompts=prompts, bad_rows=tuple(collector.bad_rows), paths=(str(source),),
                       formats=tuple(formats))
 

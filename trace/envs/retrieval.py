@@ -25,9 +25,10 @@ from pathlib import Path
 from typing import Any, Protocol, Sequence
 
 from trace.envs.base import Prompt
+from trace.errors import UserError
 
 
-class RetrieverError(RuntimeError):
+class RetrieverError(UserError, RuntimeError):
     """A retriever could not answer (bad corpus, unreachable server); the message names the source."""
 
 

@@ -16,6 +16,7 @@ import subprocess
 import urllib.parse
 from pathlib import Path
 
+from trace.process_env import main_repository
 from trace.tracking.names import HEADLINE_METRICS, HELDOUT_ACCURACY, heldout_pass_name
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -51,7 +52,7 @@ def resolve_tracking_uri(tracking_uri: str | None) -> str:
     """
     if tracking_uri:
         return tracking_uri
-    root = Path(os.environ.get("DVC_ROOT") or REPO_ROOT)
+    root = main_repository()
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{root / 'mlflow.db'}"
 
 
