@@ -2,7 +2,9 @@
 the MLflow UI agree.
 
 Writes ``reports/summary.md`` (a table ranking the ablations by the mean over seeds with 95 % t-intervals,
-the paired differences against ``grpo`` called real or within noise, the generated tokens to reach
+the paired differences against ``grpo`` called real or within noise (held-out greedy accuracy, and grpo's
+gain over warmup, by a paired bootstrap over the held-out questions and seeds from the per-question results
+in ``data/eval/``, ``trace.report_questions``), the generated tokens to reach
 ``grpo``'s final accuracy, the allocation audit when logged, and links to the MLflow UI: the arms' results
 in the runs table, a view the stage stores on the experiment, and the compare view of the runs),
 ``reports/metrics.json`` and PNG plots with bands over seeds: effective ratio, reward and generated tokens
@@ -18,7 +20,8 @@ import json
 
 from prefect import flow
 
-from flows.common import stage_main, METRICS, REPORTS, run_config, write_json
+from flows.common import stage_main, METRICS, REPORTS, eval_path, run_config, write_json
+from flows.warmup import WARMUP_EVAL
 
 
 def collect(cfg) -> dict:
@@ -39,8 +42,10 @@ def report_flow(params: str) -> dict:
     from mlflow.tracking import MlflowClient
 
     from trace.params_file import load_config
-    from trace.report import first_runs, mlflow_links, render_markdown
+    from trace.report import first_runs, mlflow_links
     from trace.report_json import metrics_table
+    from trace.report_markdown import render_markdown
+    from trace.report_questions import attach_question_results
     from trace.report_plots import write_plots
     from trace.tracking.experiment import resolve_tracking_uri, share_arms_view, ui_url
 
@@ -54,6 +59,7 @@ def report_flow(params: str) -> dict:
     REPORTS.mkdir(parents=True, exist_ok=True)
     warmup_path = METRICS / "warmup.json"
     warmup = json.loads(warmup_path.read_text()) if warmup_path.is_file() else {}
+    results, warmup_questions = attach_question_results(results, eval_path, WARMUP_EVAL, warmup)
     plots = write_plots(results, REPORTS, cfg.evaluate.pass_k)
     client = MlflowClient(resolve_tracking_uri(cfg.tracking.tracking_uri))
     first = first_runs(results)
@@ -62,7 +68,8 @@ def report_flow(params: str) -> dict:
     links = mlflow_links(results, ui_url(cfg.tracking.tracking_uri), view_key)
     (REPORTS / "summary.md").write_text(render_markdown(results, warmup, cfg.evaluate.pass_k, links,
                                                         [p.name for p in plots],
-                                                        num_eval=cfg.evaluate.num_prompts))
+                                                        num_eval=cfg.evaluate.num_prompts,
+                                                        warmup_questions=warmup_questions))
     table = metrics_table(results, cfg.evaluate.pass_k)
     write_json(REPORTS / "metrics.json", {"warmup": warmup, "ablations": table})
     print((REPORTS / "summary.md").read_text())

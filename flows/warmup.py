@@ -3,26 +3,30 @@
 The tiny default policy is a Qwen3 model built from ``policy`` params with a word-level tokenizer over the
 task's vocabulary; a pretrained policy (``policy.kind: pretrained``) is loaded as is and SFT is skipped
 unless the task has a solver. The kept weights and the held-out accuracy after warmup are the baseline
-every ablation's evaluation is compared with.
+every ablation's evaluation is compared with: ``metrics/warmup.json`` (DVC metrics) and
+``data/eval/warmup.json`` (the held-out metrics and each question's greedy reward by ``prompt_uid``, which the
+report pairs with the arms' evaluations question by question).
 """
 
 from __future__ import annotations
 
 from prefect import flow
 
-from flows.common import stage_main, METRICS, WARMUP_MODEL, build_environment, open_run, read_split, \
+from flows.common import stage_main, EVAL, METRICS, WARMUP_MODEL, build_environment, open_run, read_split, \
     stage_params, write_json
+
+WARMUP_EVAL = EVAL / "warmup.json"  # the warmup policy's held-out evaluation with per-question results
 
 
 @flow(name="warmup", log_prints=False)
 def warmup_flow(params: str) -> dict:
     from trace.params_file import load_config
     from trace.envs.base import Demonstrates
-    from trace.evaluation import evaluate_policy
+    from trace.evaluation import evaluate_policy, question_rewards
     from trace.policy.build import build_policy
     from trace.policy.model import save_policy
     from trace.warmup import run_warmup
-    from trace.tracking.names import TRAIN_ACCURACY_PREFIX
+    from trace.tracking.names import QUESTIONS_KEY, TRAIN_ACCURACY_PREFIX
 
     cfg = load_config(params)
     env = build_environment(cfg)
@@ -38,10 +42,12 @@ def warmup_flow(params: str) -> dict:
                 summary.update({f"warmup/{k}": v for k, v in env.demonstration_stats(train).items()})
             run.set_tags({"warmup.reason": result.reason})
             print(f"warmup kept step {result.chosen_step} (train success {result.chosen_success:.3f}): {result.reason}")
-        metrics, _ = evaluate_policy(policy, env, evals[: cfg.evaluate.num_prompts], cfg.rollout, seed=cfg.seed,
-                                     max_context_tokens=cfg.policy.max_context_tokens, pass_k=cfg.evaluate.pass_k,
-                                     temperature=cfg.evaluate.temperature)
+        held_out = evals[: cfg.evaluate.num_prompts]
+        metrics, trees = evaluate_policy(policy, env, held_out, cfg.rollout, seed=cfg.seed,
+                                         max_context_tokens=cfg.policy.max_context_tokens,
+                                         pass_k=cfg.evaluate.pass_k, temperature=cfg.evaluate.temperature)
         summary.update(metrics)
+        by_question = question_rewards(trees[: len(held_out)])  # the greedy trees come first
         train_metrics, _ = evaluate_policy(policy, env, train[: cfg.evaluate.num_prompts], cfg.rollout, seed=cfg.seed,
                                            max_context_tokens=cfg.policy.max_context_tokens,
                                            prefix=TRAIN_ACCURACY_PREFIX)  # memorisation: train vs held-out
@@ -49,6 +55,7 @@ def warmup_flow(params: str) -> dict:
         run.log_metrics(summary)
         save_policy(policy, WARMUP_MODEL)
         write_json(METRICS / "warmup.json", summary)
+        write_json(WARMUP_EVAL, {**metrics, QUESTIONS_KEY: by_question})
     print({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()})
     return summary
 

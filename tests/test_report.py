@@ -12,7 +12,8 @@ import pytest
 from flows.common import run_config
 from flows.report import collect
 from trace.params_file import load_config
-from trace.report import first_runs, mlflow_links, render_markdown
+from trace.report import first_runs, mlflow_links
+from trace.report_markdown import render_markdown
 from trace.tracking import SHARED_VIEW_TAG_PREFIX, arm_result_metrics, share_arms_view, stage_run, summary_metrics
 
 PARAMS = Path(__file__).resolve().parent / "params_tiny.yaml"

@@ -1,7 +1,9 @@
 """Evaluation of a policy on prompts: greedy accuracy, pass@k / mean@k, and the warmup's sampled success.
 
 Every measure here rolls the policy out with ``trace.rollout.rollout_roots`` at ``step=-1`` and reads the
-leaves' verifier rewards; the metric keys live in one namespace (``accuracy/*`` by default).
+leaves' verifier rewards; the metric keys live in one namespace (``accuracy/*`` by default). The greedy
+reward of each question (``question_rewards``, kept under ``trace.tracking.names.QUESTIONS_KEY`` in the
+evaluation outputs) lets the report pair two evaluations question by question.
 """
 
 from __future__ import annotations
@@ -78,6 +80,31 @@ def evaluate_policy(policy, env: Environment, prompts: Sequence[Prompt], rollout
         metrics[f"{prefix}/mean@{pass_k}"] = float(per_prompt.mean())
         trees.extend(sampled)
     return metrics, trees
+
+
+def question_rewards(greedy_trees: Sequence[RolloutTree]) -> dict[str, float]:
+    """Each question's greedy reward, keyed by its ``prompt_uid``: the per-question results whose mean is
+    ``accuracy/greedy``.
+
+    Args:
+        greedy_trees: the P greedy trees of ``evaluate_policy`` (its first P trees), one leaf each.
+
+    Returns:
+        ``{prompt_uid: reward}`` in the order of the trees (1.0 correct, 0.0 wrong for a 0/1 verifier).
+
+    Raises:
+        ValueError: a tree without exactly one leaf (not a greedy tree) or two trees of one question.
+    """
+    out: dict[str, float] = {}
+    for tree in greedy_trees:
+        rewards = tree.leaf_rewards()
+        if rewards.shape != (1,):
+            raise ValueError(f"tree {tree.tree_id} has {rewards.size} leaves: pass the greedy trees of "
+                             "evaluate_policy (its first P trees, one leaf each)")
+        if tree.prompt_uid in out:
+            raise ValueError(f"two greedy trees of question {tree.prompt_uid!r}")
+        out[tree.prompt_uid] = float(rewards[0])
+    return out
 
 
 def sampled_success(policy, env: Environment, prompts: Sequence[Prompt], rollout_cfg: RolloutConfig, *,

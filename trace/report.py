@@ -2,13 +2,14 @@
 
 ``collect_results`` reads, per arm and seed, the newest finished train run (its per-step metric histories and
 run-level ``arm/*`` results, named by ``trace.tracking.names.SUMMARY_METRIC_NAMES``) and evaluate run (its
-held-out metrics). ``arm_statistics`` gives per arm the mean over seeds and its 95 % t-interval of every
-table column, the paired differences against ``grpo`` (same seed = a pair) and the generated tokens each arm
-needs to reach ``grpo``'s final in-training accuracy (``trace.statistics``, docs/method.md "Statistics over
-seeds"). ``render_markdown`` ranks the arms by mean held-out greedy accuracy (ties: effective ratio) and
-says in words which differences are real (the interval excludes 0) and which are within noise;
-``trace.report_plots.write_plots`` draws the curves with their bands. The same MLflow data gives the same
-bytes.
+held-out metrics); ``trace.report_questions`` adds each evaluation's per-question results. ``arm_statistics``
+gives per arm the mean over seeds and its 95 % t-interval of every table column, the paired differences
+against ``grpo`` (same seed = a pair; held-out greedy accuracy by a paired bootstrap over questions and seeds
+where per-question results exist) and the generated tokens each arm needs to reach ``grpo``'s final
+in-training accuracy (``trace.statistics``, docs/method.md "Statistics over seeds"), and
+``regime_summary`` where warmup left the policy. ``trace.report_markdown`` writes them as
+``reports/summary.md``, ``trace.report_json`` as ``reports/metrics.json`` and ``trace.report_plots`` draws
+the curves with their bands. The same MLflow data and evaluation outputs give the same bytes.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
-from trace.statistics import Interval, mean_interval, paired_difference, tokens_to_target
+from trace.report_questions import bootstrap_against, bootstrap_gain
+from trace.statistics import mean_interval, paired_difference, tokens_to_target
 from trace.tracking.names import GREEDY_ACCURACY, SUMMARY_METRIC_NAMES, TRAIN_ACCURACY_PREFIX, metric_key, \
     pass_at_k_name
 from trace.tracking.runs import finished_runs
@@ -150,13 +152,16 @@ def arm_statistics(results: dict, pass_k: int, confidence: float = CONFIDENCE) -
     accuracy, and the audit means.
 
     Args:
-        results: ``collect_results`` output.
+        results: ``collect_results`` output, with ``"questions"`` per seed where its evaluation kept
+            per-question results (``trace.report_questions.attach_question_results``).
         pass_k: ``evaluate.pass_k`` (names the sampled-accuracy columns).
         confidence: interval coverage.
 
     Returns:
         ``{"target": Interval of grpo's final accuracy or None, "arms": {ablation: {"seeds": [..],
-        "columns": {column: Interval}, "vs_grpo": {column: Interval} (absent for grpo and without grpo),
+        "columns": {column: Interval}, "vs_grpo": {column: Interval} (absent for grpo and without grpo; its
+        ``eval greedy`` a paired bootstrap over questions and seeds where every paired seed has per-question
+        results, else like the other columns a paired t-interval over seeds),
         "tokens_to_target": Interval over the seeds that reach it or None, "reached": int,
         "audit": {key: Interval of per-step means} (only keys some seed logged)}}}``.
 
@@ -179,6 +184,9 @@ def arm_statistics(results: dict, pass_k: int, confidence: float = CONFIDENCE) -
             entry["vs_grpo"] = {c: paired_difference({s: v[c] for s, v in by_seed.items()},
                                                      {s: v[c] for s, v in base.items()}, confidence)
                                 for c, _ in PAIRED_COLUMNS}
+            boot = bootstrap_against(results[abl], results[BASELINE], confidence)
+            if boot is not None:  # evaluation noise of both arms included
+                entry["vs_grpo"]["eval greedy"] = boot
         reached = []
         if target is not None:
             for res in results[abl].values():
@@ -198,7 +206,8 @@ def arm_statistics(results: dict, pass_k: int, confidence: float = CONFIDENCE) -
     return {"target": target, "arms": arms}
 
 
-def regime_summary(results: dict, warmup: dict, num_eval: int | None, confidence: float = CONFIDENCE) -> dict:
+def regime_summary(results: dict, warmup: dict, num_eval: int | None, confidence: float = CONFIDENCE,
+                   warmup_questions: Mapping[str, float] | None = None) -> dict:
     """The regime the arms were compared in: where warmup left the policy and how much ``grpo`` wasted and
     gained.
 
@@ -207,14 +216,16 @@ def regime_summary(results: dict, warmup: dict, num_eval: int | None, confidence
         warmup: the warmup stage's metrics (``accuracy/greedy``, ``accuracy_train/greedy``), or ``{}``.
         num_eval: held-out questions behind ``accuracy/greedy`` (``evaluate.num_prompts``), or None.
         confidence: interval coverage.
+        warmup_questions: the warmup policy's per-question greedy rewards, or None.
 
     Returns:
         Any of: ``warmup`` (held-out greedy accuracy), ``se`` (its binomial standard error
         ``sqrt(p (1 - p) / n)``), ``warmup_train`` (greedy accuracy on as many training questions),
         ``all_equal_first`` / ``all_equal`` (Interval over seeds of grpo's share of all-success or all-fail
-        groups at its first step / averaged over its steps), ``gain`` (Interval over seeds of grpo's held-out
-        greedy accuracy minus ``warmup``), ``root_auc`` ({ablation: Interval over seeds of the per-step mean
-        ``predictor/root_auc``}).
+        groups at its first step / averaged over its steps), ``gain`` (grpo's held-out greedy accuracy minus
+        ``warmup``: a paired bootstrap over questions and seeds when grpo and warmup have per-question
+        results, else the t-interval over seeds, which leaves out the warmup evaluation's own error),
+        ``root_auc`` ({ablation: Interval over seeds of the per-step mean ``predictor/root_auc``}).
     """
     out: dict = {}
     base = warmup.get(GREEDY_ACCURACY)
@@ -232,149 +243,8 @@ def regime_summary(results: dict, warmup: dict, num_eval: int | None, confidence
     gains = [res["eval"][GREEDY_ACCURACY] - base for res in grpo.values()
              if base is not None and GREEDY_ACCURACY in res.get("eval", {})]
     if gains:
-        out["gain"] = mean_interval(gains, confidence)
+        out["gain"] = bootstrap_gain(grpo, warmup_questions, confidence) or mean_interval(gains, confidence)
     aucs = {abl: [sum(v for _, v in pts) / len(pts) for res in by_seed.values()
                   if (pts := res["history"].get("predictor/root_auc"))] for abl, by_seed in results.items()}
     out["root_auc"] = {abl: mean_interval(v, confidence) for abl, v in aucs.items() if v}
     return out
-
-
-def _regime_lines(regime: dict) -> list[str]:
-    lines = []
-    if "warmup" in regime:
-        se = f" (standard error {regime['se']:.3f})" if "se" in regime else ""
-        train = (f"; on as many training questions {regime['warmup_train']:.3f} (a train accuracy far above the "
-                 "held-out one would mean memorised questions)") if "warmup_train" in regime else ""
-        lines.append(f"Held-out greedy accuracy after warmup: **{regime['warmup']:.3f}**{se}{train}.")
-    if "all_equal_first" in regime:
-        lines.append(f"- {BASELINE} groups with all-equal outcomes (no learning signal): "
-                     f"{format_interval(regime['all_equal_first'], 3)} at its first step, "
-                     f"{format_interval(regime['all_equal'], 3)} over its steps.")
-    if "gain" in regime:
-        gain = regime["gain"]
-        in_se = f" = {gain.mean / regime['se']:+.1f} standard errors of the evaluation" if regime.get("se") else ""
-        lines.append(f"- {BASELINE}'s gain in held-out greedy accuracy over warmup: "
-                     f"{format_interval(gain, 3, True, True)}{in_se} ({verdict(gain)}).")
-    if regime.get("root_auc"):
-        lines.append("- Root AUC of the success predictor (mean over steps): " + ", ".join(
-            f"{abl} {format_interval(iv, 3)}" for abl, iv in regime["root_auc"].items()) + ".")
-    return lines + [""] if lines else []
-
-
-def _num(value: float, digits: int, sign: bool = False) -> str:
-    if not math.isfinite(value):
-        return "nan"
-    text = f"{value:{'+' if sign else ''},.{digits}f}"
-    return text
-
-
-def _digits(column: str) -> int:
-    return 0 if column in ("generated tokens", "trajectories/step") else 2 if column == "s/step" else 3
-
-
-def format_interval(iv: Interval, digits: int, sign: bool = False, brackets: bool = False) -> str:
-    """``mean ± half`` (or ``mean [low, high]`` with ``brackets``); the mean alone without an interval."""
-    if not iv.has_interval:
-        return _num(iv.mean, digits, sign)
-    if brackets:
-        return f"{_num(iv.mean, digits, sign)} [{_num(iv.low, digits, sign)}, {_num(iv.high, digits, sign)}]"
-    return f"{_num(iv.mean, digits, sign)} ± {_num(iv.half_width, digits)}"
-
-
-def verdict(iv: Interval) -> str:
-    """``real``, ``within noise``, ``one seed, no interval`` or ``no value`` for a paired difference."""
-    if iv.n == 0:
-        return "no value"
-    if not iv.has_interval:
-        return "one seed, no interval"
-    return "real" if iv.excludes_zero else "within noise"
-
-
-def _seeds_line(seeds: list[int], confidence: float) -> str:
-    if len(seeds) == 1:
-        return (f"Seed {seeds[0]} only: one seed, no interval (run more with "
-                "`dvc exp run -S 'train.seeds=[0,1,2]'`).")
-    return (f"Seeds {', '.join(map(str, seeds))} ({len(seeds)} runs per arm): a value is the mean over seeds "
-            f"± the half-width of its {confidence:.0%} t-interval.")
-
-
-def render_markdown(results: dict, warmup: dict, pass_k: int, links: dict[str, str] | None = None,
-                    plots: Sequence[str] = (), confidence: float = CONFIDENCE, num_eval: int | None = None) -> str:
-    """``reports/summary.md``: the arms ranked by mean held-out greedy accuracy, the paired differences
-    against ``grpo`` in words, tokens to grpo's final accuracy, the audit means, then the MLflow ``links``.
-
-    Args:
-        results: ``collect_results`` output.
-        warmup: the warmup stage's metrics (``accuracy/greedy`` is the baseline shown), or ``{}``.
-        pass_k: ``evaluate.pass_k``; the sampled columns read ``accuracy/mean_at_<k>`` and ``pass_at_<k>``.
-        links: ``mlflow_links`` output, or None to leave the links out.
-        plots: the PNG names written (``trace.report_plots.write_plots``), listed under the table.
-        confidence: interval coverage.
-        num_eval: held-out questions of an evaluation (``evaluate.num_prompts``), for standard errors.
-
-    Returns:
-        The markdown text; a missing value shows as ``nan``.
-    """
-    stats = arm_statistics(results, pass_k, confidence)
-    arms = stats["arms"]
-    order = sorted(arms, key=lambda a: tuple(-(x if math.isfinite(x) else -1.0) for x in (
-        arms[a]["columns"]["eval greedy"].mean, arms[a]["columns"]["effective ratio"].mean)))
-    columns = list(next(iter(arms.values()))["columns"]) if arms else []
-    lines = ["# Ablation report", "", *_regime_lines(regime_summary(results, warmup, num_eval, confidence)),
-             _seeds_line(seeds_of(results), confidence) if results else "No runs.", "",
-             "Ranked by mean held-out greedy accuracy after RL (ties: effective ratio). Training columns are "
-             "means over steps;", "every arm samples the same number of trajectories per step.", "",
-             f"| rank | ablation | eval greedy | eval mean@{pass_k} | eval pass@{pass_k} | effective ratio | "
-             "effective token ratio | active prompts | train reward | generated tokens | trajectories/step | "
-             "s/step |", "|---:|---|" + "---:|" * len(columns or range(10))]
-    for i, abl in enumerate(order, 1):
-        cells = [format_interval(arms[abl]["columns"][c], _digits(c)) for c in columns]
-        lines.append(f"| {i} | {abl} | " + " | ".join(cells) + " |")
-    paired = [a for a in order if "vs_grpo" in arms[a]]
-    if paired:
-        lines += ["", f"## Against {BASELINE}", "",
-                  f"Paired differences (arm minus {BASELINE} at the same seed), mean and {confidence:.0%} "
-                  "t-interval; a difference is real only when its interval excludes 0.", "",
-                  "| ablation | " + " | ".join(f"Δ {c.replace('@k', f'@{pass_k}')}" for c, _ in PAIRED_COLUMNS)
-                  + " |",
-                  "|---|" + "---:|" * len(PAIRED_COLUMNS)]
-        for abl in paired:
-            d = arms[abl]["vs_grpo"]
-            lines.append(f"| {abl} | " + " | ".join(format_interval(d[c], _digits(c), True, True)
-                                                    for c, _ in PAIRED_COLUMNS) + " |")
-        lines.append("")
-        for abl in paired:
-            d = arms[abl]["vs_grpo"]
-            parts = [f"{words} {format_interval(d[c], _digits(c), True, True)} ({verdict(d[c])})"
-                     for c, words in PAIRED_COLUMNS]
-            lines.append(f"- {abl} against {BASELINE}: " + "; ".join(parts) + ".")
-    target = stats["target"]
-    if target is not None:
-        lines += ["", "## Sample efficiency", "",
-                  f"Generated tokens to reach {BASELINE}'s final in-training held-out accuracy "
-                  f"({format_interval(target, 3)}, mean over seeds of its last `accuracy/eval`): per seed the "
-                  "first crossing of accuracy against cumulative generated tokens, linearly interpolated; mean "
-                  "over the seeds that reach it.", "",
-                  f"| ablation | tokens to {_num(target.mean, 3)} | seeds reaching |", "|---|---:|---:|"]
-        for abl in order:
-            hit = arms[abl]["tokens_to_target"]
-            shown = format_interval(hit, 0) if hit is not None else "not reached"
-            lines.append(f"| {abl} | {shown} | {arms[abl]['reached']}/{len(arms[abl]['seeds'])} |")
-    audited = [a for a in order if arms[a]["audit"]]
-    if audited:
-        keys = AUDIT_KEYS[:4]
-        lines += ["", "## Allocation audit", "",
-                  "Forecast against realised, per step (mean over steps, then over seeds).", "",
-                  "| ablation | expected mixed groups | mixed groups | expected flips | flips |",
-                  "|---|---:|---:|---:|---:|"]
-        for abl in audited:
-            au = arms[abl]["audit"]
-            lines.append(f"| {abl} | " + " | ".join(format_interval(au[k], 2) if k in au else "nan" for k in keys)
-                         + " |")
-    lines += [""]
-    if plots:
-        lines += ["Plots: " + ", ".join(f"`{name}`" for name in plots) + ".", ""]
-    if links:
-        lines += [f"MLflow (`make ui`): [the arms' results]({links['runs']}) (`arm/acc`, `arm/eff_ratio`, ...), "
-                  f"[compare the arms]({links['compare']}).", ""]
-    return "\n".join(lines)

@@ -15,13 +15,17 @@ def _json_interval(iv: Interval | None) -> dict | None:
     def clean(x: float) -> float | None:
         return float(x) if math.isfinite(x) else None
 
-    return {"mean": clean(iv.mean), "low": clean(iv.low), "high": clean(iv.high), "n": iv.n}
+    out = {"mean": clean(iv.mean), "low": clean(iv.low), "high": clean(iv.high), "n": iv.n, "estimator": iv.estimator}
+    if iv.seed_interval is not None:  # a bootstrap interval: the seed t-interval it is also checked against
+        out["seed_interval"] = _json_interval(iv.seed_interval)
+    return out
 
 
 def metrics_table(results: dict, pass_k: int, confidence: float = CONFIDENCE) -> dict[str, dict]:
     """``reports/metrics.json``'s ablations: per arm, per seed (``s<seed>``) its ``arm/*`` results and its
     evaluate metrics under ``eval/``, and the statistics of ``arm_statistics`` (intervals as
-    ``{"mean", "low", "high", "n"}``, undefined bounds as null; a paired difference with ``real``)."""
+    ``{"mean", "low", "high", "n", "estimator"}`` (``t`` or ``bootstrap``, the latter with the
+    ``seed_interval`` it is checked against), undefined bounds as null; a paired difference with ``real``)."""
     stats = arm_statistics(results, pass_k, confidence)["arms"]
     out: dict[str, dict] = {}
     for abl, by_seed in results.items():

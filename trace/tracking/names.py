@@ -39,6 +39,8 @@ SUMMARY_METRIC_NAMES: dict[str, str] = {
 HELDOUT_ACCURACY = "arm/acc"  # evaluate stage: held-out greedy accuracy of the trained policy
 TRAIN_ACCURACY_PREFIX = "accuracy_train"  # greedy accuracy on training questions (memorisation check)
 GREEDY_ACCURACY = "accuracy/greedy"  # trace.evaluation metric whose value HELDOUT_ACCURACY carries
+# key of an evaluation output's per-question greedy rewards ({prompt_uid: reward}, mean = GREEDY_ACCURACY)
+QUESTIONS_KEY = "greedy_by_question"
 HEADLINE_METRICS = (HELDOUT_ACCURACY, "arm/eff_ratio")
 
 

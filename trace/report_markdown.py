@@ -1,0 +1,177 @@
+"""``reports/summary.md``: the ablation report in words (``trace.report``'s statistics).
+
+``render_markdown`` states the regime (where warmup left the policy, grpo's gain over it), ranks the arms by
+mean held-out greedy accuracy (ties: effective ratio), and says in words which differences against ``grpo``
+are real (the interval excludes 0), which are within noise and which estimator made each interval
+(docs/method.md, "Statistics over seeds"). The same results give the same bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+from trace.report import AUDIT_KEYS, BASELINE, CONFIDENCE, PAIRED_COLUMNS, arm_statistics, regime_summary, seeds_of
+from trace.statistics import BOOTSTRAP, BOOTSTRAP_RESAMPLES, Interval
+
+
+def _regime_lines(regime: dict) -> list[str]:
+    lines = []
+    if "warmup" in regime:
+        se = f" (standard error {regime['se']:.3f})" if "se" in regime else ""
+        train = (f"; on as many training questions {regime['warmup_train']:.3f} (a train accuracy far above the "
+                 "held-out one would mean memorised questions)") if "warmup_train" in regime else ""
+        lines.append(f"Held-out greedy accuracy after warmup: **{regime['warmup']:.3f}**{se}{train}.")
+    if "all_equal_first" in regime:
+        lines.append(f"- {BASELINE} groups with all-equal outcomes (no learning signal): "
+                     f"{format_interval(regime['all_equal_first'], 3)} at its first step, "
+                     f"{format_interval(regime['all_equal'], 3)} over its steps.")
+    if "gain" in regime:
+        gain = regime["gain"]
+        in_se = f" = {gain.mean / regime['se']:+.1f} standard errors of the evaluation" if regime.get("se") else ""
+        judged = verdict(gain)
+        if gain.estimator == BOOTSTRAP and gain.has_interval:
+            judged += f"; paired bootstrap over the held-out questions and {gain.n} seeds"
+        elif gain.has_interval:  # a single warmup evaluation's own error is not in a t-interval over seeds
+            judged = ("not judged: this t-interval over seeds leaves out the warmup evaluation's own error, "
+                      "and there are no per-question results to bootstrap")
+        lines.append(f"- {BASELINE}'s gain in held-out greedy accuracy over warmup: "
+                     f"{format_interval(gain, 3, True, True)}{in_se} ({judged}).")
+    if regime.get("root_auc"):
+        lines.append("- Root AUC of the success predictor (mean over steps): " + ", ".join(
+            f"{abl} {format_interval(iv, 3)}" for abl, iv in regime["root_auc"].items()) + ".")
+    return lines + [""] if lines else []
+
+
+def _num(value: float, digits: int, sign: bool = False) -> str:
+    if not math.isfinite(value):
+        return "nan"
+    text = f"{value:{'+' if sign else ''},.{digits}f}"
+    return text
+
+
+def _digits(column: str) -> int:
+    return 0 if column in ("generated tokens", "trajectories/step") else 2 if column == "s/step" else 3
+
+
+def format_interval(iv: Interval, digits: int, sign: bool = False, brackets: bool = False) -> str:
+    """``mean ± half`` (or ``mean [low, high]`` with ``brackets``); the mean alone without an interval."""
+    if not iv.has_interval:
+        return _num(iv.mean, digits, sign)
+    if brackets:
+        return f"{_num(iv.mean, digits, sign)} [{_num(iv.low, digits, sign)}, {_num(iv.high, digits, sign)}]"
+    return f"{_num(iv.mean, digits, sign)} ± {_num(iv.half_width, digits)}"
+
+
+def verdict(iv: Interval) -> str:
+    """``real``, ``within noise``, ``one seed, no interval`` or ``no value`` for a paired difference."""
+    if iv.n == 0:
+        return "no value"
+    if not iv.has_interval:
+        return "one seed, no interval"
+    return "real" if iv.excludes_zero else "within noise"
+
+
+def _seeds_line(seeds: list[int], confidence: float) -> str:
+    if len(seeds) == 1:
+        return (f"Seed {seeds[0]} only: one seed, no interval (run more with "
+                "`dvc exp run -S 'train.seeds=[0,1,2]'`).")
+    return (f"Seeds {', '.join(map(str, seeds))} ({len(seeds)} runs per arm): a value is the mean over seeds "
+            f"± the half-width of its {confidence:.0%} t-interval.")
+
+
+def _estimators_line(arms: dict, paired: list[str], confidence: float) -> str:
+    """The sentence under "Against grpo": which estimator made the intervals of the table."""
+    head = f"Paired differences (arm minus {BASELINE} at the same seed), mean and {confidence:.0%} "
+    booted = [a for a in paired if arms[a]["vs_grpo"]["eval greedy"].estimator == BOOTSTRAP]
+    if not booted:
+        return head + "t-interval; a difference is real only when its interval excludes 0."
+    which = "" if len(booted) == len(paired) else f" for {', '.join(booted)} (the others: no per-question results)"
+    return (head + f"interval: Δ eval greedy by a paired bootstrap over the held-out questions and seeds{which} "
+            f"(percentile interval of {BOOTSTRAP_RESAMPLES:,} resamples, evaluation noise included), the other "
+            "columns by a t-interval over seeds. A difference is real only when its interval excludes 0; a "
+            "bootstrap interval also needs the t-interval over seeds to exclude 0 (a percentile interval of few "
+            "seeds understates their spread).")
+
+
+def render_markdown(results: dict, warmup: dict, pass_k: int, links: dict[str, str] | None = None,
+                    plots: Sequence[str] = (), confidence: float = CONFIDENCE, num_eval: int | None = None,
+                    warmup_questions: Mapping[str, float] | None = None) -> str:
+    """``reports/summary.md``: the arms ranked by mean held-out greedy accuracy, the paired differences
+    against ``grpo`` in words, tokens to grpo's final accuracy, the audit means, then the MLflow ``links``.
+
+    Args:
+        results: ``collect_results`` output.
+        warmup: the warmup stage's metrics (``accuracy/greedy`` is the baseline shown), or ``{}``.
+        pass_k: ``evaluate.pass_k``; the sampled columns read ``accuracy/mean_at_<k>`` and ``pass_at_<k>``.
+        links: ``mlflow_links`` output, or None to leave the links out.
+        plots: the PNG names written (``trace.report_plots.write_plots``), listed under the table.
+        confidence: interval coverage.
+        num_eval: held-out questions of an evaluation (``evaluate.num_prompts``), for standard errors.
+        warmup_questions: the warmup policy's per-question greedy rewards (``regime_summary``), or None.
+
+    Returns:
+        The markdown text; a missing value shows as ``nan``.
+    """
+    stats = arm_statistics(results, pass_k, confidence)
+    arms = stats["arms"]
+    order = sorted(arms, key=lambda a: tuple(-(x if math.isfinite(x) else -1.0) for x in (
+        arms[a]["columns"]["eval greedy"].mean, arms[a]["columns"]["effective ratio"].mean)))
+    columns = list(next(iter(arms.values()))["columns"]) if arms else []
+    regime = regime_summary(results, warmup, num_eval, confidence, warmup_questions)
+    lines = ["# Ablation report", "", *_regime_lines(regime),
+             _seeds_line(seeds_of(results), confidence) if results else "No runs.", "",
+             "Ranked by mean held-out greedy accuracy after RL (ties: effective ratio). Training columns are "
+             "means over steps;", "every arm samples the same number of trajectories per step.", "",
+             f"| rank | ablation | eval greedy | eval mean@{pass_k} | eval pass@{pass_k} | effective ratio | "
+             "effective token ratio | active prompts | train reward | generated tokens | trajectories/step | "
+             "s/step |", "|---:|---|" + "---:|" * len(columns or range(10))]
+    for i, abl in enumerate(order, 1):
+        cells = [format_interval(arms[abl]["columns"][c], _digits(c)) for c in columns]
+        lines.append(f"| {i} | {abl} | " + " | ".join(cells) + " |")
+    paired = [a for a in order if "vs_grpo" in arms[a]]
+    if paired:
+        lines += ["", f"## Against {BASELINE}", "", _estimators_line(arms, paired, confidence), "",
+                  "| ablation | " + " | ".join(f"Δ {c.replace('@k', f'@{pass_k}')}" for c, _ in PAIRED_COLUMNS)
+                  + " |",
+                  "|---|" + "---:|" * len(PAIRED_COLUMNS)]
+        for abl in paired:
+            d = arms[abl]["vs_grpo"]
+            lines.append(f"| {abl} | " + " | ".join(format_interval(d[c], _digits(c), True, True)
+                                                    for c, _ in PAIRED_COLUMNS) + " |")
+        lines.append("")
+        for abl in paired:
+            d = arms[abl]["vs_grpo"]
+            parts = [f"{words} {format_interval(d[c], _digits(c), True, True)} ({verdict(d[c])})"
+                     for c, words in PAIRED_COLUMNS]
+            lines.append(f"- {abl} against {BASELINE}: " + "; ".join(parts) + ".")
+    target = stats["target"]
+    if target is not None:
+        lines += ["", "## Sample efficiency", "",
+                  f"Generated tokens to reach {BASELINE}'s final in-training held-out accuracy "
+                  f"({format_interval(target, 3)}, mean over seeds of its last `accuracy/eval`): per seed the "
+                  "first crossing of accuracy against cumulative generated tokens, linearly interpolated; mean "
+                  "over the seeds that reach it.", "",
+                  f"| ablation | tokens to {_num(target.mean, 3)} | seeds reaching |", "|---|---:|---:|"]
+        for abl in order:
+            hit = arms[abl]["tokens_to_target"]
+            shown = format_interval(hit, 0) if hit is not None else "not reached"
+            lines.append(f"| {abl} | {shown} | {arms[abl]['reached']}/{len(arms[abl]['seeds'])} |")
+    audited = [a for a in order if arms[a]["audit"]]
+    if audited:
+        keys = AUDIT_KEYS[:4]
+        lines += ["", "## Allocation audit", "",
+                  "Forecast against realised, per step (mean over steps, then over seeds).", "",
+                  "| ablation | expected mixed groups | mixed groups | expected flips | flips |",
+                  "|---|---:|---:|---:|---:|"]
+        for abl in audited:
+            au = arms[abl]["audit"]
+            lines.append(f"| {abl} | " + " | ".join(format_interval(au[k], 2) if k in au else "nan" for k in keys)
+                         + " |")
+    lines += [""]
+    if plots:
+        lines += ["Plots: " + ", ".join(f"`{name}`" for name in plots) + ".", ""]
+    if links:
+        lines += [f"MLflow (`make ui`): [the arms' results]({links['runs']}) (`arm/acc`, `arm/eff_ratio`, ...), "
+                  f"[compare the arms]({links['compare']}).", ""]
+    return "\n".join(lines)
