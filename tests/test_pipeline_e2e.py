@@ -273,6 +273,35 @@ def test_a_bad_param_stops_dvc_exp_run_at_the_check_before_any_other_stage(proje
     subprocess.run(["git", "checkout", "params.yaml"], cwd=project_dir, check=True)
 
 
+def test_a_queued_experiment_of_a_real_data_task_reads_its_data_beside_the_main_repository(project):
+    """`dvc exp run --queue` runs in a temporary copy under .dvc/tmp/exps; a preset-like relative path
+    ``../shared/data/...`` must still mean the folder beside the main repository."""
+    project_dir, env = project
+    subprocess.run(["git", "checkout", "params.yaml"], cwd=project_dir, check=True)
+    data = project_dir.parent / "shared" / "data" / "nq"
+    data.mkdir(parents=True, exist_ok=True)
+    rows = [{"question": f"who is number {i}?", "answer": [f"n{i}"]} for i in range(12)]
+    (data / "questions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    overrides = ["-S", "task.name=nq", "-S", "+task.files.train_path=../shared/data/nq/questions.jsonl",
+                 "-S", "+task.files.eval_fraction=0.5"]
+    out = _dvc(project_dir, env, "exp", "run", "--queue", "-n", "queued-nq", *overrides, "prepare", timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    out = _dvc(project_dir, env, "queue", "start", "-j", "1", timeout=120)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    deadline, status = time.monotonic() + 600, ""
+    while time.monotonic() < deadline:
+        status = _dvc(project_dir, env, "queue", "status", timeout=120).stdout
+        if "queued-nq" in status and not any(word in status for word in ("Queued", "Running")):
+            break
+        time.sleep(5)
+    logs = _dvc(project_dir, env, "queue", "logs", "queued-nq", timeout=120)
+    text = logs.stdout + logs.stderr
+    _dvc(project_dir, env, "queue", "stop", "--kill", timeout=120)
+    assert "Success" in status, status + text[-4000:]
+    assert "not found" not in text and "train/num_prompts" in text, text[-4000:]
+    subprocess.run(["git", "checkout", "params.yaml"], cwd=project_dir, check=True)
+
+
 def test_two_training_seeds_train_every_arm_twice_from_one_warmup_and_report_intervals(project):
     project_dir, env = project
     subprocess.run(["git", "checkout", "params.yaml"], cwd=project_dir, check=True)
