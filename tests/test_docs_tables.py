@@ -21,6 +21,20 @@ def test_every_docs_table_matches_the_committed_reports():
                        f"the result): {stale}")
 
 
+def test_the_readme_and_docs_hold_the_results_tables():
+    """The front door shows the learning run, the presets and the benchmarks; docs/ the rest."""
+    readme = (REPO / "README.md").read_text()
+    for name in ("default-arms", "long-arms", "long-vs-grpo", "presets", "benchmarks"):
+        assert f"<!-- table:{name} -->" in readme, name
+    results = (REPO / "docs" / "results.md").read_text()
+    for name in ("long-regime", "long-arms-full", "long-vs-grpo-full", "long-audit", "preset-hotpotqa",
+                 "preset-gsm8k", "preset-bfcl"):
+        assert f"<!-- table:{name} -->" in results, name
+    benchmarks = (REPO / "docs" / "benchmarks.md").read_text()
+    for name in ("benchmarks", "benchmark-runs", "allocation-quality", "allocation-objectives", "real-task-step"):
+        assert f"<!-- table:{name} -->" in benchmarks, name
+
+
 def test_index_names_committed_report_folders():
     index = read_index(REPO)
     assert set(index) == set(docs_tables.ABLATION_REPORTS + docs_tables.PRESET_REPORTS)
