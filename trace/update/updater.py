@@ -94,8 +94,16 @@ class PolicyUpdater:
             self.ref_model.requires_grad_(False).eval()
         trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
         optimizer = torch.optim.AdamW(trainable, lr=update_cfg.lr, weight_decay=update_cfg.weight_decay)
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=deepspeed_config(update_cfg))
+        ds_config = deepspeed_config(update_cfg)
+        # DeepSpeed's plain fp32 stage 0 clips without reporting the norm (its other modes report the norm of
+        # the averaged gradient): clip in the optimizer's step pre-hook instead, which runs after DeepSpeed has
+        # averaged the gradients over ranks, so the norm measured there is the applied gradient's
+        self._clips_in_optimizer_hook = update_cfg.zero_stage == 0 and not update_cfg.bf16
+        self._applied_grad_norm: float | None = None
+        if self._clips_in_optimizer_hook:
+            ds_config["gradient_clipping"] = 0.0
+            optimizer.register_step_pre_hook(self._clip_applied_gradient)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         if self.ref_model is not None:
             dtype = torch.bfloat16 if update_cfg.bf16 else None
             self.ref_model.to(device=self.engine.device, dtype=dtype)
@@ -229,20 +237,24 @@ class PolicyUpdater:
                 row_tokens=torch.zeros(1, dtype=torch.long)))
         return micro
 
+    def _clip_applied_gradient(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Step pre-hook of the optimizer at fp32 ZeRO stage 0: clip the gradient about to be applied (already
+        averaged over ranks by ``engine.step()``) to ``max_grad_norm`` and keep its norm before clipping."""
+        del args, kwargs
+        grads = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        self._applied_grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, self.cfg.max_grad_norm))
+
     def _optimizer_step(self) -> float:
-        """``engine.step()``, then announce the new weights; returns the global gradient norm before clipping."""
-        pre_clip_norm = None
-        if self.engine.zero_optimization_stage() == 0 and not self.engine.bfloat16_enabled():
-            # plain fp32 stage 0 clips with torch and does not report the norm; with several ranks this is
-            # the rank-local norm (gradients are averaged inside step())
-            grads = [p.grad.detach().float() for p in self.engine.module.parameters() if p.grad is not None]
-            pre_clip_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])
-                                                           )) if grads else 0.0
+        """``engine.step()``, then announce the new weights.
+
+        Returns:
+            The 2-norm of the gradient the optimizer applied, before clipping: the gradient averaged over ranks
+            (the global token-mean loss's), the same on every rank; NaN when DeepSpeed reported none.
+        """
+        self._applied_grad_norm = None
         self.engine.step()
         mark_weights_updated(self.engine.module)
-        norm = self.engine.get_global_grad_norm()
-        if norm is None:
-            norm = pre_clip_norm
+        norm = self._applied_grad_norm if self._clips_in_optimizer_hook else self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
 
     def _train(self, batch: TrainingBatch, loss_fn: LossFn, num_epochs: int) -> dict[str, float]:
@@ -302,8 +314,9 @@ class PolicyUpdater:
             ``update/num_tokens`` (the flat normaliser), ``update/num_trained_tokens`` (each generated token
             once), ``update/num_sequences``, ``update/num_micro_batches``,
             ``update/num_truncated``, ``update/skipped`` (1 when no token was trainable: no step taken),
-            ``update/seconds``. Losses and ``update/num_tokens`` are global over ranks; ``num_sequences`` and
-            ``num_micro_batches`` are this rank's, and at ZeRO stage 0 in fp32 so is ``grad_norm``.
+            ``update/seconds``. Losses, ``grad_norm`` (the norm of the gradient averaged over ranks, the one
+            applied) and ``update/num_tokens`` are global over ranks; ``num_sequences`` and
+            ``num_micro_batches`` are this rank's.
 
         Raises:
             ValueError: from ``build_training_batch`` (missing advantages, malformed nodes, ...).
