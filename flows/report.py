@@ -6,7 +6,8 @@ the paired differences against ``grpo`` called real or within noise (held-out gr
 gain over warmup, by a paired bootstrap over the held-out questions and seeds from the per-question results
 in ``data/eval/``, ``trace.report_questions``), the generated tokens to reach
 ``grpo``'s final accuracy, the allocation audit when logged, and links to the MLflow UI: the arms' results
-in the runs table, a view the stage stores on the experiment, and the compare view of the runs),
+in the runs table, a view the stage stores on the experiment that lists every seed's evaluate run grouped by
+arm, and the compare view of the runs),
 ``reports/metrics.json`` and PNG plots with bands over seeds: effective ratio, reward and generated tokens
 per step, held-out accuracy against cumulative generated tokens and against cumulative trajectories, and
 ``audit.png`` when the train runs logged the audit (``trace.report``, ``trace.report_plots``). The numbers
@@ -42,7 +43,7 @@ def report_flow(params: str) -> dict:
     from mlflow.tracking import MlflowClient
 
     from trace.params_file import load_config
-    from trace.report import first_runs, mlflow_links
+    from trace.report import evaluate_run_ids, first_runs, mlflow_links
     from trace.report_json import metrics_table
     from trace.report_markdown import render_markdown
     from trace.report_questions import attach_question_results
@@ -62,9 +63,10 @@ def report_flow(params: str) -> dict:
     results, warmup_questions = attach_question_results(results, eval_path, WARMUP_EVAL, warmup)
     plots = write_plots(results, REPORTS, cfg.evaluate.pass_k)
     client = MlflowClient(resolve_tracking_uri(cfg.tracking.tracking_uri))
-    first = first_runs(results)
-    view_key = share_arms_view(client, next(iter(first.values()))["experiment_id"],
-                               run_config(cfg, seeds[0]).params_hash(), cfg.evaluate.pass_k) if first else None
+    first, eval_ids = first_runs(results), evaluate_run_ids(results)
+    # the arms' results: every seed's evaluate run, grouped by arm (the report's table is their mean)
+    view_key = share_arms_view(client, next(iter(first.values()))["experiment_id"], eval_ids,
+                               cfg.evaluate.pass_k) if first and eval_ids else None
     links = mlflow_links(results, ui_url(cfg.tracking.tracking_uri), view_key)
     (REPORTS / "summary.md").write_text(render_markdown(results, warmup, cfg.evaluate.pass_k, links,
                                                         [p.name for p in plots],

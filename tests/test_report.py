@@ -12,7 +12,7 @@ import pytest
 from flows.common import run_config
 from flows.report import collect
 from trace.params_file import load_config
-from trace.report import first_runs, mlflow_links
+from trace.report import evaluate_run_ids, first_runs, mlflow_links
 from trace.report_markdown import render_markdown
 from trace.tracking import SHARED_VIEW_TAG_PREFIX, arm_result_metrics, share_arms_view, stage_run, summary_metrics
 
@@ -49,7 +49,7 @@ def test_report_ranks_the_arms_from_their_mlflow_runs_and_links_the_compare_view
     assert [v for _, v in results["trace"][0]["history"]["effective_ratio"]] == [0.5, 0.6, 0.7]
     experiment_id = results["trace"][0]["experiment_id"]
     client = MlflowClient(cfg.tracking.tracking_uri)
-    view_key = share_arms_view(client, experiment_id, cfg.params_hash(), cfg.evaluate.pass_k)
+    view_key = share_arms_view(client, experiment_id, evaluate_run_ids(results), cfg.evaluate.pass_k)
     links = mlflow_links(results, "http://127.0.0.1:5000", view_key)
     text = render_markdown(results, {"accuracy/greedy": 0.3}, cfg.evaluate.pass_k, links)
 
@@ -72,7 +72,7 @@ def test_the_shared_arms_view_lists_the_evaluate_runs_best_first_with_the_headli
                     for ablation, acc in (("grpo", 0.2), ("trace", 0.6))]
     client = MlflowClient(cfg.tracking.tracking_uri)
     experiment_id = client.get_experiment_by_name(cfg.tracking.experiment_name).experiment_id
-    key = share_arms_view(client, experiment_id, cfg.params_hash(), cfg.evaluate.pass_k)
+    key = share_arms_view(client, experiment_id, evaluate_ids, cfg.evaluate.pass_k)
     view = json.loads(client.get_experiment(experiment_id).tags[SHARED_VIEW_TAG_PREFIX + key])
     # the view's filter and order, run by MLflow itself: the two evaluate runs, not the train runs, best first
     shown = client.search_runs([experiment_id], view["searchFilter"], order_by=["metrics.`arm/acc` DESC"])
@@ -105,6 +105,45 @@ def test_the_report_reads_one_run_per_arm_and_seed_and_pairs_the_seeds(tmp_path)
     assert f"held-out greedy accuracy +0.110 [{0.11 - half:+.3f}, {0.11 + half:+.3f}] (real)" in text
     assert "Seeds 0, 1, 2 (3 runs per arm)" in text
     assert "| 1 | trace | 0.460 ± 0.099 |" in text  # 0.50, 0.42, 0.46: s = 0.04, half = 4.303 * 0.04 / sqrt(3)
+
+
+def _view_of_link(client, experiment_id: str, url: str) -> dict:
+    """The shared runs-table view a runs-table link opens (its ``viewStateShareKey``)."""
+    from urllib.parse import parse_qs, unquote
+
+    key = parse_qs(url.split("?", 1)[1])["viewStateShareKey"][0]
+    return json.loads(client.get_experiment(experiment_id).tags[SHARED_VIEW_TAG_PREFIX + unquote(key)])
+
+
+def test_the_arms_results_link_shows_every_seeds_evaluate_run_grouped_by_arm(tmp_path):
+    import mlflow
+
+    cfg = load_config(PARAMS, overrides={"tracking.tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
+                                         "train.ablations": ["grpo", "trace"], "train.seeds": [0, 1, 2]})
+    for seed in range(3):
+        for ablation, acc in (("grpo", 0.3 + 0.01 * seed), ("trace", 0.4 + 0.01 * seed)):
+            _log_arm(cfg, ablation, {"mean/effective_ratio": 0.5}, {"accuracy/greedy": acc}, seed=seed)
+    other = cfg.model_copy(update={"train": cfg.train.model_copy(update={"seeds": (5,)})})
+    _log_arm(other, "trace", {"mean/effective_ratio": 0.5}, {"accuracy/greedy": 0.99}, seed=5)  # another grid
+    results = collect(cfg)
+    client = MlflowClient(cfg.tracking.tracking_uri)
+    experiment_id = results["grpo"][0]["experiment_id"]
+    key = share_arms_view(client, experiment_id, evaluate_run_ids(results), cfg.evaluate.pass_k)
+    link = mlflow_links(results, "http://127.0.0.1:5000", key)["runs"]
+    view = _view_of_link(client, experiment_id, link)
+
+    # the link's filter, run by MLflow itself: the 2 arms x 3 seeds of this report, nothing else
+    mlflow.set_tracking_uri(cfg.tracking.tracking_uri)
+    shown = mlflow.search_runs([experiment_id], view["searchFilter"], output_format="list")
+    assert sorted((r.data.tags["trace.ablation"], r.data.tags["trace.seed"], r.data.tags["trace.stage"])
+                  for r in shown) == [(a, str(s), "evaluate") for a in ("grpo", "trace") for s in range(3)]
+    assert {r.info.run_id for r in shown} == {results[a][s]["eval_run_id"] for a in results for s in range(3)}
+    # grouped by arm, the group row the mean over seeds (the report's table); each run's seed in a column
+    assert view["groupBy"] == {"aggregateFunction": "average",
+                               "groupByKeys": [{"mode": "param", "groupByData": "ablation"}]}
+    assert "tags.`trace.seed`" in view["selectedColumns"]
+    # the same runs give the same key: a report rebuilt from the same MLflow data links the same view
+    assert share_arms_view(client, experiment_id, evaluate_run_ids(results)[::-1], cfg.evaluate.pass_k) == key
 
 
 def test_the_global_seeds_run_keeps_the_hashes_of_a_config_without_seeds():

@@ -97,7 +97,8 @@ def test_summary_markdown_is_byte_for_byte_the_documented_report():
                     "- grpo's gain in held-out greedy accuracy over warmup: +0.100 (one seed, no interval).\n\n"
                     + ONE_SEED_TEXT +
                     "Plots: `a.png`, `b.png`.\n\n"
-                    "MLflow (`make ui`): [the arms' results](http://ui/runs) (`arm/acc`, `arm/eff_ratio`, ...), "
+                    "MLflow (`make ui`): [the arms' results](http://ui/runs) (every seed's evaluate run, grouped by "
+                    "arm with the mean over seeds: `arm/acc`, `arm/eff_ratio`, ...), "
                     "[compare the arms](http://ui/compare).\n")
 
 

@@ -97,10 +97,17 @@ def first_runs(results: dict) -> dict:
     return {abl: next(iter(by_seed.values())) for abl, by_seed in results.items() if by_seed}
 
 
+def evaluate_run_ids(results: dict) -> list[str]:
+    """The evaluate runs of every arm and seed of ``results``, in arm then seed order (the runs the report's
+    held-out columns average: ``trace.tracking.experiment.share_arms_view`` shows them)."""
+    return [res["eval_run_id"] for by_seed in results.values() for res in by_seed.values() if "eval_run_id" in res]
+
+
 def mlflow_links(results: dict, base_url: str, view_key: str | None = None) -> dict[str, str]:
     """Links into the MLflow UI: the experiment's runs table (in the shared view ``view_key``, e.g. the arms'
-    results of ``trace.tracking.experiment.share_arms_view``) and the compare view of the evaluate runs of
-    every arm and seed (of the train runs where an evaluate run is missing).
+    results of ``trace.tracking.experiment.share_arms_view``: every seed's evaluate run, grouped by arm) and
+    the compare view of the evaluate runs of every arm and seed (of the train runs where an evaluate run is
+    missing).
 
     Args:
         results: ``collect_results`` output.

@@ -172,6 +172,7 @@ def render_markdown(results: dict, warmup: dict, pass_k: int, links: dict[str, s
     if plots:
         lines += ["Plots: " + ", ".join(f"`{name}`" for name in plots) + ".", ""]
     if links:
-        lines += [f"MLflow (`make ui`): [the arms' results]({links['runs']}) (`arm/acc`, `arm/eff_ratio`, ...), "
+        lines += [f"MLflow (`make ui`): [the arms' results]({links['runs']}) (every seed's evaluate run, grouped by "
+                  "arm with the mean over seeds: `arm/acc`, `arm/eff_ratio`, ...), "
                   f"[compare the arms]({links['compare']}).", ""]
     return "\n".join(lines)

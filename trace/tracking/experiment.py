@@ -10,14 +10,16 @@ The tracking URI defaults to SQLite ``mlflow.db`` at the root of the main reposi
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
 import urllib.parse
 from pathlib import Path
+from typing import Sequence
 
 from trace.process_env import main_repository
-from trace.tracking.names import HEADLINE_METRICS, HELDOUT_ACCURACY, heldout_pass_name
+from trace.tracking.names import HEADLINE_METRICS, HELDOUT_ACCURACY, SEED_TAG, heldout_pass_name
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -99,22 +101,45 @@ def experiment_url(base_url: str, experiment_id: str, view_key: str | None = Non
     return f"{url}&viewStateShareKey={urllib.parse.quote(view_key, safe='')}" if view_key else url
 
 
-def arms_view(params_hash: str, pass_k: int) -> dict:
-    """Runs-table view of the arms' results: the evaluate runs of one params hash, best held-out accuracy
-    first, with the ``arm/*`` columns in front (the headline numbers first)."""
+def arms_view(run_ids: Sequence[str], pass_k: int) -> dict:
+    """Runs-table view of the arms' results: the given evaluate runs (every arm and seed of one report),
+    grouped by arm (the ``ablation`` param) with the group row the mean over its seeds, best held-out accuracy
+    first, with the ``arm/*`` columns in front (the headline numbers first) and each run's seed.
+
+    The filter names the runs by id: a run's params hash holds its seed, so no tag of the runs marks all
+    seeds of one report, and ``attributes.run_id IN (...)`` is the one list filter MLflow's search takes.
+
+    Args:
+        run_ids: the evaluate runs' ids.
+        pass_k: ``evaluate.pass_k`` (names the pass@k column).
+
+    Returns:
+        The view as MLflow 3.17's *Share* button stores it: ``searchFilter``, order, columns and ``groupBy``
+        (``{"aggregateFunction": "average", "groupByKeys": [{"mode": "param", "groupByData": "ablation"}]}``).
+
+    Raises:
+        ValueError: no run ids.
+    """
+    if not run_ids:
+        raise ValueError("arms_view needs the evaluate runs to show; got none")
     metrics = [*HEADLINE_METRICS, heldout_pass_name(pass_k), "arm/eff_tok_ratio", "arm/active_prompts",
                "arm/reward", "arm/tokens", "arm/sec_step"]
-    columns = [f"metrics.`{m}`" for m in metrics] + ["params.`ablation`", "params.`dvc.exp_name`"]
-    return {"searchFilter": f"tags.`trace.stage` = 'evaluate' and tags.`trace.params_hash` = '{params_hash}'",
+    columns = ([f"metrics.`{m}`" for m in metrics]
+               + ["params.`ablation`", f"tags.`{SEED_TAG}`", "params.`dvc.exp_name`"])
+    ids = ", ".join(f"'{run_id}'" for run_id in sorted(run_ids))
+    return {"searchFilter": f"attributes.run_id IN ({ids})",
             "orderByKey": f"metrics.`{HELDOUT_ACCURACY}`", "orderByAsc": False, "lifecycleFilter": "Active",
-            "selectedColumns": columns, "columnOrder": columns}
+            "selectedColumns": columns, "columnOrder": columns,
+            "groupBy": {"aggregateFunction": "average", "groupByKeys": [{"mode": "param", "groupByData": "ablation"}]}}
 
 
-def share_arms_view(client, experiment_id: str, params_hash: str, pass_k: int) -> str:
-    """Store ``arms_view`` on the experiment as a shared runs-table view and return its key
-    (``arms-<params_hash>``, for ``experiment_url``)."""
-    key = f"arms-{params_hash}"
-    client.set_experiment_tag(experiment_id, SHARED_VIEW_TAG_PREFIX + key, json.dumps(arms_view(params_hash, pass_k)))
+def share_arms_view(client, experiment_id: str, run_ids: Sequence[str], pass_k: int) -> str:
+    """Store ``arms_view`` of ``run_ids`` on the experiment as a shared runs-table view and return its key
+    (``arms-<first 12 hex of the sha256 of the sorted ids>``, for ``experiment_url``): the same runs give the
+    same key, so the same report links the same view."""
+    digest = hashlib.sha256(",".join(sorted(run_ids)).encode()).hexdigest()[:12]
+    key = f"arms-{digest}"
+    client.set_experiment_tag(experiment_id, SHARED_VIEW_TAG_PREFIX + key, json.dumps(arms_view(run_ids, pass_k)))
     return key
 
 

@@ -42,6 +42,7 @@ GREEDY_ACCURACY = "accuracy/greedy"  # trace.evaluation metric whose value HELDO
 # key of an evaluation output's per-question greedy rewards ({prompt_uid: reward}, mean = GREEDY_ACCURACY)
 QUESTIONS_KEY = "greedy_by_question"
 HEADLINE_METRICS = (HELDOUT_ACCURACY, "arm/eff_ratio")
+SEED_TAG = "trace.seed"  # a run's seed (a train or evaluate run: the training seed of its arm)
 
 
 def heldout_pass_name(pass_k: int) -> str:

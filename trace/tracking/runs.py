@@ -30,10 +30,9 @@ from pathlib import Path
 from typing import Iterator, Mapping
 
 from trace.tracking.experiment import ensure_experiment, git_commit, resolve_tracking_uri
-from trace.tracking.names import dvc_experiment_name, flatten_params, metric_key, run_name
+from trace.tracking.names import SEED_TAG, dvc_experiment_name, flatten_params, metric_key, run_name
 
 PROCESS_TAG = "trace.process"
-SEED_TAG = "trace.seed"  # the run's seed (a train or evaluate run: the training seed of its arm)
 
 
 def process_identity(pid: int | None = None) -> str:
