@@ -60,16 +60,24 @@ def run_config(cfg, seed: int):
     return run
 
 
-def checkpoint_store() -> Path:
-    """Folder of the training checkpoints: ``data/checkpoints`` of the main repository.
+def checkpoint_store(checkpoint_dir: str | None = None) -> Path:
+    """Folder of the training checkpoints: ``train.checkpoint_dir``, else ``data/checkpoints`` of the main
+    repository.
 
     DVC sets ``DVC_ROOT`` for every stage command to the repository it was started in; for a queued
     experiment (``dvc exp run --queue``, run in a temporary copy under ``.dvc/tmp/exps``) it is the main
     repository, so a queued run finds the checkpoints of an earlier attempt. Outside DVC: this repository.
     The store is no DVC output, so DVC's restore of outputs before a run (``dvc exp run`` checks out every
-    output from ``dvc.lock``) never replaces a checkpoint.
+    output from ``dvc.lock``) never replaces a checkpoint. A grid (``flows.grid``) points every worker at one
+    shared folder, so a job killed on one worker resumes on another.
+
+    Args:
+        checkpoint_dir: ``train.checkpoint_dir``; ``~`` expands, a relative path resolves against the main
+            repository; None = ``data/checkpoints`` there.
     """
-    return main_repository() / CHECKPOINTS
+    if checkpoint_dir is None:
+        return main_repository() / CHECKPOINTS
+    return main_repository() / Path(checkpoint_dir).expanduser()
 
 
 def stage_args(description: str, *, ablation: bool = False, argv: list[str] | None = None) -> argparse.Namespace:

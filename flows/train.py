@@ -11,7 +11,8 @@ A Prefect task costs ~0.15 s on a local server against ~1-2 s for a default step
 orchestration benchmark.
 
 Resume: the trainer works in a checkpoint folder outside every DVC output,
-``data/checkpoints/<ablation>/<params hash>-<deps hash>`` of the main repository (``checkpoint_store``),
+``data/checkpoints/<ablation>/<params hash>-<deps hash>`` of the main repository, or of ``train.checkpoint_dir``
+(``checkpoint_store``; a grid's workers share one),
 keyed by the run's params (``Config.resume_hash`` of the run config, so per seed: all but the step count and
 checkpoint cadence) and the contents
 of the stage's ``deps`` in ``dvc.yaml`` (code, prepared prompts, warmup policy, predictor). A killed run
@@ -53,7 +54,8 @@ def checkpoint_dir(cfg, ablation: str) -> Path:
     from trace.stages import deps_digest, stage_deps
 
     deps = stage_deps(REPO_ROOT / "dvc.yaml", "train", {"ablation": ablation, "seed": cfg.seed})
-    return checkpoint_store() / ablation / f"{cfg.resume_hash()}-{deps_digest(REPO_ROOT, deps)}"
+    store = checkpoint_store(cfg.train.checkpoint_dir)
+    return store / ablation / f"{cfg.resume_hash()}-{deps_digest(REPO_ROOT, deps)}"
 
 
 @contextlib.contextmanager

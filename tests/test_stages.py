@@ -35,8 +35,10 @@ def test_params_a_stage_need_not_list_are_those_the_params_hash_ignores():
     cfg = load_config(TINY)
     changed = load_config(TINY, overrides={"train.ablations": ["grpo"], "train.steps_per_task": 7,
                                            "tracking.experiment_name": "other", "train.seeds": [0, 4],
+                                           "train.checkpoint_dir": "/shared/checkpoints",
                                            "launch": {"launcher": "torchrun", "num_processes": 2}})
-    assert NON_RESULT_PARAMS == ("train.ablations", "train.seeds", "train.steps_per_task", "tracking", "launch")
+    assert NON_RESULT_PARAMS == ("train.ablations", "train.seeds", "train.steps_per_task", "train.checkpoint_dir",
+                                 "tracking", "launch")
     assert changed.params_hash() == cfg.params_hash()
 
 

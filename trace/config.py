@@ -207,6 +207,11 @@ class TrainConfig(_Section):
     # exclude: not in params_hash; a train/evaluate run's hash holds its own seed (flows/common.py run_config)
     seeds: Optional[tuple[int, ...]] = Field(None, exclude=True, description="training seeds: train@/evaluate@ "
                                              "run once per arm and seed; None = the global seed only")
+    # exclude: where checkpoints are kept changes no result (not in params_hash, nor in resume_hash)
+    checkpoint_dir: Optional[str] = Field(None, exclude=True, description="folder of the resumable training "
+                                          "checkpoints; relative = against the main repository; None = "
+                                          "data/checkpoints; a path every grid worker sees lets a crashed job "
+                                          "resume on any worker (docs/scale.md)")
 
     @field_validator("seeds")
     @classmethod

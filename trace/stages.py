@@ -26,9 +26,10 @@ from typing import Iterable, Iterator, Mapping
 # Params that decide where or how a stage runs, never what it computes: a stage may read them without
 # listing them (the keys Config.params_hash leaves out). train.ablations and train.seeds: which arms and
 # seeds exist (each (arm, seed) is its own train@ stage, its seed in the command); train.steps_per_task:
-# training steps per Prefect task; tracking: where MLflow logs; launch: on how many ranks train@ runs.
-NON_RESULT_PARAMS: tuple[str, ...] = ("train.ablations", "train.seeds", "train.steps_per_task", "tracking",
-                                      "launch")
+# training steps per Prefect task; train.checkpoint_dir: where checkpoints are kept; tracking: where MLflow
+# logs; launch: on how many ranks train@ runs.
+NON_RESULT_PARAMS: tuple[str, ...] = ("train.ablations", "train.seeds", "train.steps_per_task",
+                                      "train.checkpoint_dir", "tracking", "launch")
 
 _WARMUP_UPDATE_KEYS = ("update.weight_decay", "update.micro_batch_size", "update.max_grad_norm",
                        "update.zero_stage", "update.bf16", "update.offload_optimizer", "update.lora")
