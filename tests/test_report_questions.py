@@ -155,3 +155,15 @@ def test_an_evaluation_keeps_each_questions_greedy_reward_by_prompt_uid():
     assert np.mean(list(by_question.values())) == metrics["accuracy/greedy"]
     with pytest.raises(ValueError, match="leaves: pass the greedy trees"):
         question_rewards(trees[len(prompts):])  # the sampled trees have pass_k leaves each
+
+
+def test_the_warmup_stage_declares_its_per_question_evaluation_as_a_cached_output():
+    """dvc.yaml names the file flows/warmup.py writes, and keeps it cached: an uncached plain output would keep
+    the warmup stage out of DVC's run-cache."""
+    import yaml
+
+    from flows.common import REPO_ROOT
+    from flows.warmup import WARMUP_EVAL
+
+    outs = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["warmup"]["outs"]
+    assert WARMUP_EVAL.relative_to(REPO_ROOT).as_posix() in outs  # a plain entry: cached
