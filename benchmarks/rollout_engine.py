@@ -175,7 +175,7 @@ def prefix_reuse(policy: Any, prefix_tokens: int, num_continuations: int, new_to
 
 def load_smollm(observation_marker: str) -> tuple[Any, str | None]:
     """SmolLM2-135M-Instruct as a policy, or ``(None, reason)`` when it cannot be loaded here."""
-    from trace.config import PolicyConfig
+    from trace.configuration.config import PolicyConfig
     from trace.policy.model import load_pretrained_policy
 
     try:
@@ -232,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 def run(args: Any, threads: int) -> dict:
     """The measurements of ``main`` with torch's thread count already set to ``threads``."""
-    from trace.config import KGQAConfig, PolicyConfig
+    from trace.configuration.config import KGQAConfig, PolicyConfig
     from trace.envs.kgqa import KGQAEnvironment
     from trace.policy.model import build_tiny_policy
 

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-CHECKED_TEXT = "params.yaml passed trace.config validation\n"
+CHECKED_TEXT = "params.yaml passed trace.configuration.config validation\n"
 
 UNDO_HINT = ("Fix the value in params.yaml (or in the -S option) and run again. A failed `dvc exp run -S ...` "
              "leaves its values in params.yaml: `git diff params.yaml` shows them, `git checkout params.yaml` "
@@ -35,7 +35,7 @@ def parse_overrides(items: list[str]) -> dict:
     """
     import yaml
 
-    from trace.config import ConfigError
+    from trace.configuration.config import ConfigError
 
     out = {}
     for item in items:
@@ -53,7 +53,7 @@ def parse_overrides(items: list[str]) -> dict:
 
 
 def check_params(path: str | Path, overrides: dict | None = None, undo_hint: bool = True) -> str | None:
-    """Validate a params file (with optional dotted-key overrides) against ``trace.config``.
+    """Validate a params file (with optional dotted-key overrides) against ``trace.configuration.config``.
 
     Args:
         path: the params file.
@@ -63,8 +63,8 @@ def check_params(path: str | Path, overrides: dict | None = None, undo_hint: boo
     Returns:
         ``None`` when valid, else the message to print: every bad key with its value and rule, then the fix.
     """
-    from trace.config import ConfigError
-    from trace.params_file import load_config
+    from trace.configuration.config import ConfigError
+    from trace.configuration.params_file import load_config
 
     try:
         cfg = load_config(path, overrides=overrides)
@@ -80,7 +80,7 @@ def _missing_dvc_params(path: Path, dvc_yaml: Path, cfg, overrides: dict) -> str
     """DVC refuses a stage whose listed params the file does not set: name each with its default value."""
     import yaml
 
-    from trace.stages import dvc_stage_params, missing_params
+    from trace.configuration.stages import dvc_stage_params, missing_params
 
     data = yaml.safe_load(path.read_text()) or {}
     for key in overrides:

@@ -10,7 +10,7 @@ import argparse
 import contextlib
 from pathlib import Path
 
-from trace.process_env import main_repository, setup_process_env  # the stages' environment (also the Makefile's)
+from trace.configuration.process_env import main_repository, setup_process_env  # the stages' environment (also the Makefile's)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DATA = REPO_ROOT / "data"
@@ -93,7 +93,7 @@ def stage_args(description: str, *, ablation: bool = False, argv: list[str] | No
 
 
 def load_stage_config(args: argparse.Namespace):
-    from trace.params_file import load_config
+    from trace.configuration.params_file import load_config
 
     return load_config(args.params)
 
@@ -130,8 +130,8 @@ def open_run(cfg, stage: str, params: dict, ablation: str = "", resume: bool = F
 
 
 def stage_params(cfg, stage: str) -> dict:
-    """The params ``stage`` reads (``trace.stages.STAGE_PARAMS``): its MLflow params."""
-    from trace.stages import stage_params as params_of
+    """The params ``stage`` reads (``trace.configuration.stages.STAGE_PARAMS``): its MLflow params."""
+    from trace.configuration.stages import stage_params as params_of
 
     return params_of(cfg, stage)
 
@@ -171,7 +171,7 @@ def stage_main(flow_fn, description: str, *, ablation: bool = False, argv: list[
 
 
 def _run_stage(flow_fn, args: argparse.Namespace, *, ablation: bool, orchestrate: bool):
-    from trace.config import ConfigError
+    from trace.configuration.config import ConfigError
 
     cfg = load_stage_config(args)
     setup_process_env()

@@ -31,8 +31,8 @@ def arm_metrics(eval_metrics: dict, train_summary: dict) -> dict:
 
 @flow(name="evaluate", log_prints=False)
 def evaluate_flow(params: str, ablation: str, seed: int | None = None) -> dict:
-    from trace.params_file import load_config
-    from trace.evaluation import evaluate_policy, question_rewards
+    from trace.configuration.params_file import load_config
+    from trace.training.evaluation import evaluate_policy, question_rewards
     from trace.tracking import arm_result_metrics
     from trace.tracking.names import QUESTIONS_KEY, TRAIN_ACCURACY_PREFIX
 

@@ -14,7 +14,7 @@ from flows.common import stage_main, METRICS, PREDICTOR, SEED_TREES, WARMUP_MODE
 
 @flow(name="fit_predictor", log_prints=False)
 def fit_predictor_flow(params: str) -> dict:
-    from trace.params_file import load_config
+    from trace.configuration.params_file import load_config
     from trace.predictor.fitting import fit_with_holdout
     from trace.tree_io import read_trees
 

@@ -35,7 +35,7 @@ def launch_command(launch_cfg, module: str, argv: Sequence[str]) -> list[str] | 
     """The launcher command line that runs ``python -m <module> <argv>`` on every rank, or None for one process.
 
     Args:
-        launch_cfg: the ``launch`` section (``trace.config.LaunchConfig``).
+        launch_cfg: the ``launch`` section (``trace.configuration.config.LaunchConfig``).
         module: the stage module (``"flows.train"``).
         argv: the stage's own arguments (``--params``, ``--ablation``, ``--seed``).
 

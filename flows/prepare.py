@@ -23,7 +23,7 @@ def task_prompts(cfg, env, split: str):
 @flow(name="prepare", log_prints=False)
 def prepare_flow(params: str) -> dict:
     from trace.data_paths import DataError
-    from trace.params_file import load_config
+    from trace.configuration.params_file import load_config
     from trace.prepared import check_unique_prompt_uids, save_prompts
 
     cfg = load_config(params)

@@ -4,13 +4,13 @@ the MLflow UI agree.
 Writes ``reports/summary.md`` (a table ranking the ablations by the mean over seeds with 95 % t-intervals,
 the paired differences against ``grpo`` called real or within noise (held-out greedy accuracy, and grpo's
 gain over warmup, by a paired bootstrap over the held-out questions and seeds from the per-question results
-in ``data/eval/``, ``trace.report_questions``), the generated tokens to reach
+in ``data/eval/``, ``trace.reporting.report_questions``), the generated tokens to reach
 ``grpo``'s final accuracy, the allocation audit when logged, and links to the MLflow UI: the arms' results
 in the runs table, a view the stage stores on the experiment that lists every seed's evaluate run grouped by
 arm, and the compare view of the runs),
 ``reports/metrics.json`` and PNG plots with bands over seeds: effective ratio, reward and generated tokens
 per step, held-out accuracy against cumulative generated tokens and against cumulative trajectories, and
-``audit.png`` when the train runs logged the audit (``trace.report``, ``trace.report_plots``). The numbers
+``audit.png`` when the train runs logged the audit (``trace.reporting.report``, ``trace.reporting.report_plots``). The numbers
 per seed are the train runs' ``arm/*`` metrics (``trace.tracking.SUMMARY_METRIC_NAMES``) and the evaluate
 runs' held-out accuracies, the same values the MLflow compare view of the ``evaluate-*`` runs shows.
 """
@@ -26,9 +26,9 @@ from flows.warmup import WARMUP_EVAL
 
 
 def collect(cfg) -> dict:
-    """``trace.report.collect_results`` for the config's arms, training seeds and tracking section: each
+    """``trace.reporting.report.collect_results`` for the config's arms, training seeds and tracking section: each
     seed's runs by the hashes of its run config (``run_config``)."""
-    from trace.report import collect_results
+    from trace.reporting.report import collect_results
 
     hashes = {}
     for seed in cfg.train.run_seeds(cfg.seed):
@@ -42,12 +42,12 @@ def collect(cfg) -> dict:
 def report_flow(params: str) -> dict:
     from mlflow.tracking import MlflowClient
 
-    from trace.params_file import load_config
-    from trace.report import evaluate_run_ids, first_runs, mlflow_links
-    from trace.report_json import metrics_table
-    from trace.report_markdown import render_markdown
-    from trace.report_questions import attach_question_results
-    from trace.report_plots import write_plots
+    from trace.configuration.params_file import load_config
+    from trace.reporting.report import evaluate_run_ids, first_runs, mlflow_links
+    from trace.reporting.report_json import metrics_table
+    from trace.reporting.report_markdown import render_markdown
+    from trace.reporting.report_questions import attach_question_results
+    from trace.reporting.report_plots import write_plots
     from trace.tracking.experiment import resolve_tracking_uri, share_arms_view, ui_url
 
     cfg = load_config(params)

@@ -10,9 +10,9 @@ from flows.common import stage_main, METRICS, SEED_TREES, WARMUP_MODEL, build_en
 
 @flow(name="seed_rollouts", log_prints=False)
 def seed_rollouts_flow(params: str) -> dict:
-    from trace.params_file import load_config
+    from trace.configuration.params_file import load_config
     from trace.metrics import rollout_metrics
-    from trace.seed_rollouts import choose_seed_prompts, collect_seed_rollouts
+    from trace.training.seed_rollouts import choose_seed_prompts, collect_seed_rollouts
     from trace.tree_io import write_trees
 
     cfg = load_config(params)

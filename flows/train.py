@@ -25,7 +25,7 @@ MLflow gets a step's metrics once the checkpoint that holds the step is saved (f
 so a resumed run logs every step exactly once.
 
 Ranks: with ``launch.launcher`` set, the stage command starts its launcher (``flows.launch``) and every rank
-runs this flow's code (``trace.parallel``: data-parallel rollouts and update). Rank 0 alone holds the
+runs this flow's code (``trace.training.parallel``: data-parallel rollouts and update). Rank 0 alone holds the
 folder's lock, runs the Prefect flow, and writes MLflow, the trees and the stage's outputs; the other ranks
 run the same steps as plain functions.
 """
@@ -42,7 +42,7 @@ from prefect.cache_policies import NONE
 
 from flows.common import REPO_ROOT, stage_main, PREDICTOR, WARMUP_MODEL, build_environment, checkpoint_store, \
     load_stage_policy, open_run, read_split, run_config, run_dir, stage_params, write_json
-from trace.parallel import is_main_process as main_rank  # $RANK before the process group exists
+from trace.training.parallel import is_main_process as main_rank  # $RANK before the process group exists
 
 # logged at every step, in the same batch as the step's other metrics: marks a step as logged
 STEP_MARKER = "tokens/cumulative"
@@ -51,7 +51,7 @@ STEP_MARKER = "tokens/cumulative"
 def checkpoint_dir(cfg, ablation: str) -> Path:
     """The arm's checkpoint folder for these params (a run config: its ``seed`` is the training seed) and the
     current contents of the stage's deps."""
-    from trace.stages import deps_digest, stage_deps
+    from trace.configuration.stages import deps_digest, stage_deps
 
     deps = stage_deps(REPO_ROOT / "dvc.yaml", "train", {"ablation": ablation, "seed": cfg.seed})
     store = checkpoint_store(cfg.train.checkpoint_dir)
@@ -117,10 +117,10 @@ def train_steps(trainer, until_step: int) -> int:
 
 @flow(name="train", log_prints=False)
 def train_flow(params: str, ablation: str, seed: int | None = None) -> dict:
-    from trace.params_file import load_config
-    from trace.loop import Trainer
+    from trace.configuration.params_file import load_config
+    from trace.training.loop import Trainer
     from trace.predictor import load_predictor
-    from trace.seeding import check_candidate_pool
+    from trace.training.seeding import check_candidate_pool
     from trace.tracking import metric_key, summary_metrics
 
     base = load_config(params)
@@ -162,7 +162,7 @@ def train_flow(params: str, ablation: str, seed: int | None = None) -> dict:
 def main(argv=None) -> None:
     from flows.common import load_stage_config, stage_args
     from flows.launch import relaunch
-    from trace.config import ConfigError
+    from trace.configuration.config import ConfigError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:

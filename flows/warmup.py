@@ -20,12 +20,12 @@ WARMUP_EVAL = EVAL / "warmup.json"  # the warmup policy's held-out evaluation wi
 
 @flow(name="warmup", log_prints=False)
 def warmup_flow(params: str) -> dict:
-    from trace.params_file import load_config
+    from trace.configuration.params_file import load_config
     from trace.envs.base import Demonstrates
-    from trace.evaluation import evaluate_policy, question_rewards
+    from trace.training.evaluation import evaluate_policy, question_rewards
     from trace.policy.build import build_policy
     from trace.policy.model import save_policy
-    from trace.warmup import run_warmup
+    from trace.training.warmup import run_warmup
     from trace.tracking.names import QUESTIONS_KEY, TRAIN_ACCURACY_PREFIX
 
     cfg = load_config(params)

@@ -17,7 +17,7 @@ Exit status 0 when every step ran and, after the last update, the backend's gree
 equal the trained policy's (the engine serves the updated weights).
 
 Several GPUs (``gpu_smoke.sh --gpus N``, which starts N ranks with torchrun): the training loop's
-data-parallel sampling (``trace.parallel.DataParallelSampler``: whole trees per rank, gathered after each
+data-parallel sampling (``trace.training.parallel.DataParallelSampler``: whole trees per rank, gathered after each
 sampling call), each rank's engine on its own GPU, each rank updating on its own trees with gradients averaged;
 rank 0 prints the split of trajectories over ranks and the step's generated tokens per second over all ranks,
 and every rank checks that its engine serves the updated weights.
@@ -52,14 +52,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from trace.process_env import setup_process_env
+    from trace.configuration.process_env import setup_process_env
 
     setup_process_env()  # before torch and DeepSpeed are imported: offline Hugging Face, DS_ACCELERATOR
     from trace.advantages import assign_advantages
     from trace.allocation.arms import get_arm
     from trace.allocation.samplers import PolicySampler
     from trace.allocation.step import allocate_step
-    from trace.params_file import load_config
+    from trace.configuration.params_file import load_config
     from trace.envs.registry import make_environment
     from trace.policy.build import build_policy
     from trace.policy.vllm_engine import vllm_available
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     import torch
 
-    from trace.parallel import DataParallelSampler, all_gather_objects, rank, world_size
+    from trace.training.parallel import DataParallelSampler, all_gather_objects, rank, world_size
 
     on_gpu = torch.cuda.is_available()
     ranks = int(os.environ.get("WORLD_SIZE", "1"))

@@ -56,8 +56,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from flows.common import build_environment
-    from trace.evaluation import evaluate_policy
-    from trace.params_file import load_config
+    from trace.training.evaluation import evaluate_policy
+    from trace.configuration.params_file import load_config
     from trace.policy.model import load_policy
 
     cfg = load_config(args.params)

@@ -26,7 +26,7 @@ def measure(params: str, tokens: int, checkpointing: bool, threads: int) -> dict
     import torch
 
     from trace.losses import clipped_surrogate_loss, token_logprobs
-    from trace.params_file import load_config
+    from trace.configuration.params_file import load_config
     from trace.policy.lora import apply_lora
     from trace.policy.model import load_pretrained_policy
 

@@ -1,6 +1,6 @@
 """Test-session environment: offline, CPU, quiet Prefect and MLflow state in a temporary folder.
 
-The defaults come from ``trace.process_env`` (those of the stages plus the launcher's thread count). The
+The defaults come from ``trace.configuration.process_env`` (those of the stages plus the launcher's thread count). The
 Prefect home and MLflow database are always a temporary folder's, even when the caller (``make test``
 exports the stages' table) set the repository's: a test never touches the repository's runs.
 """
@@ -9,7 +9,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from trace.process_env import LAUNCHER_ENV, PROCESS_ENV, apply_process_env
+from trace.configuration.process_env import LAUNCHER_ENV, PROCESS_ENV, apply_process_env
 
 _TMP = Path(tempfile.mkdtemp(prefix="trace-tests-"))
 for key, value in {

@@ -16,7 +16,7 @@ from trace.advantages import (
     get_estimator,
     group_zscore,
 )
-from trace.config import Estimator
+from trace.configuration.config import Estimator
 from trace.tree import Origin, RewardError, RolloutTree
 
 

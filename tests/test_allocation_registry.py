@@ -16,7 +16,7 @@ from trace.allocation.registry import (
 )
 from trace.allocation.samplers import SimulatorSampler
 from trace.allocation.step import allocate_step
-from trace.config import ConfigError, PredictorConfig, PredictorKind, SimulatorConfig, config_from_dict
+from trace.configuration.config import ConfigError, PredictorConfig, PredictorKind, SimulatorConfig, config_from_dict
 from trace.envs.simulator import SimulatorEnvironment
 from trace.predictor.registry import make_predictor
 

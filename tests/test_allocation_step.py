@@ -8,7 +8,7 @@ from trace.allocation.prefix import candidate_anchors, split_expansion_budget
 from trace.allocation.prefix_rules import plan_expansion
 from trace.allocation.samplers import PolicySampler, SimulatorSampler
 from trace.allocation.step import StepSampler, allocate_step
-from trace.config import AllocationConfig, PredictorConfig, PredictorKind, SimulatorConfig
+from trace.configuration.config import AllocationConfig, PredictorConfig, PredictorKind, SimulatorConfig
 from trace.envs.simulator import SimulatorEnvironment
 from trace.predictor.registry import make_predictor
 

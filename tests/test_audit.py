@@ -9,7 +9,7 @@ from trace.allocation.arms import get_arm
 from trace.allocation.root import activation_prob
 from trace.allocation.samplers import SimulatorSampler
 from trace.allocation.step import AnchorChoice, StepResult, allocate_step
-from trace.audit import (
+from trace.reporting.audit import (
     AUDIT_METRIC_KEYS,
     audit_metrics,
     expected_flips,
@@ -17,10 +17,10 @@ from trace.audit import (
     mixed_root_groups,
     realised_flips,
 )
-from trace.config import AllocationConfig, PredictorConfig, PredictorKind, SimulatorConfig
+from trace.configuration.config import AllocationConfig, PredictorConfig, PredictorKind, SimulatorConfig
 from trace.envs.simulator import SimulatorEnvironment
 from trace.predictor.registry import make_predictor
-from trace.seeding import candidate_indices, step_rng
+from trace.training.seeding import candidate_indices, step_rng
 from trace.tree import Origin, RolloutTree
 
 

@@ -18,7 +18,7 @@ import copy
 import math
 import os
 from dataclasses import dataclass
-from trace.config import KGQAConfig, PolicyConfig, RolloutConfig
+from trace.configuration.config import KGQAConfig, PolicyConfig, RolloutConfig
 from trace.envs.kgqa import KGQAEnvironment
 from trace.policy.backends import Generation, GenerationBackend
 from trace.policy.hf_backend import HFBackend

@@ -11,7 +11,7 @@ from trace.allocation.prefix_rules import plan_expansion
 from trace.allocation.registry import PREFIX_RULES, ROOT_RULES
 from trace.allocation.prefix import allocate_prefixes, candidate_anchors, split_expansion_budget
 from trace.allocation.root import allocate_roots
-from trace.config import AllocationConfig
+from trace.configuration.config import AllocationConfig
 
 ARM_NAMES = ("grpo", "dapo", "knapsack", "pcl", "tree_random", "treepo", "trace_root", "trace_prefix", "trace")
 
@@ -267,7 +267,7 @@ def test_dapo_retry_bound_is_respected():
 
 
 def test_an_unsplittable_root_budget_fails_at_config_load_naming_the_arm_and_key():
-    from trace.config import ConfigError, config_from_dict
+    from trace.configuration.config import ConfigError, config_from_dict
 
     with pytest.raises(ConfigError) as err:
         config_from_dict({"allocation": {"num_candidates": 4, "m_min": 8, "m_max": 16},

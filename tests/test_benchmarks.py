@@ -9,7 +9,7 @@ from benchmarks import (allocation_quality, lora_update, orchestration, real_tas
                         solver_speed)
 from trace.allocation.arms import ARMS, get_arm
 from trace.allocation.prefix import allocate_prefixes, prefix_value
-from trace.config import AllocationConfig, PredictorConfig, PredictorKind, SimulatorConfig
+from trace.configuration.config import AllocationConfig, PredictorConfig, PredictorKind, SimulatorConfig
 from trace.envs.simulator import SimulatorEnvironment
 from trace.metrics import rollout_metrics
 from trace.predictor import make_predictor

@@ -40,7 +40,7 @@ def test_a_valid_file_writes_the_fixed_marker_the_pipeline_depends_on(tmp_path):
                               str(tmp_path / "checked")], cwd=ROOT, env=_env(), capture_output=True, text=True,
                              timeout=120)
         assert out.returncode == 0, out.stderr
-    assert (tmp_path / "checked").read_text() == "params.yaml passed trace.config validation\n"
+    assert (tmp_path / "checked").read_text() == "params.yaml passed trace.configuration.config validation\n"
 
 
 def test_the_check_imports_neither_torch_prefect_nor_mlflow():

@@ -4,7 +4,7 @@ import json
 
 import torch
 
-from trace.checkpoint import CHECKPOINT_DIR, PREDICTOR_FILE, STATE_FILE, load_checkpoint, state_path, write_checkpoint
+from trace.training.checkpoint import CHECKPOINT_DIR, PREDICTOR_FILE, STATE_FILE, load_checkpoint, state_path, write_checkpoint
 
 
 class RecordingUpdater:

@@ -3,8 +3,8 @@ from pathlib import Path
 import pytest
 
 from trace.allocation.arms import ARMS
-from trace.config import Config, ConfigError, config_from_dict
-from trace.params_file import load_config, parse_params_yaml, read_params_file
+from trace.configuration.config import Config, ConfigError, config_from_dict
+from trace.configuration.params_file import load_config, parse_params_yaml, read_params_file
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from trace.config import DataFileConfig, TaskConfig, TaskName
+from trace.configuration.config import DataFileConfig, TaskConfig, TaskName
 from trace.data_paths import DataError, resolve_data_path
 from trace.data.splits import load_prompts, load_split
 from trace.envs.fc import FunctionCallingEnvironment

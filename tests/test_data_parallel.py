@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from flows.launch import launch_command, relaunch
-from trace.config import ConfigError, LaunchConfig
-from trace.params_file import load_config
-from trace.parallel import DataParallelSampler, split_longest_first
+from trace.configuration.config import ConfigError, LaunchConfig
+from trace.configuration.params_file import load_config
+from trace.training.parallel import DataParallelSampler, split_longest_first
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tests" / "params_tiny.yaml"
@@ -117,7 +117,7 @@ SCRIPT = r"""
 import json, os, sys
 from pathlib import Path
 import torch
-from trace.params_file import load_config
+from trace.configuration.params_file import load_config
 from trace.envs.registry import make_environment
 from trace.predictor import make_predictor
 
@@ -130,12 +130,12 @@ env = make_environment(cfg.task, cfg.seed)
 train, evals = env.prompts("train"), env.prompts("eval")
 if mode == "warm":  # one shared warmed policy: the tiny random policy never succeeds
     from trace.policy.model import build_tiny_policy, save_policy
-    from trace.warmup import run_warmup
+    from trace.training.warmup import run_warmup
     policy = build_tiny_policy(cfg.policy, env.vocabulary(), cfg.seed)
     run_warmup(policy, env, train, cfg, progress=False)
     save_policy(policy, run_dir)
     sys.exit(0)
-from trace.loop import Trainer
+from trace.training.loop import Trainer
 from trace.policy.model import load_policy
 policy = load_policy(Path(sys.argv[5]))
 predictor = make_predictor(cfg.predictor, env=env, policy=policy, seed=cfg.seed)
@@ -224,17 +224,17 @@ def test_two_ranks_sample_the_same_trees_and_train_the_same_weights_as_one_and_r
 def test_zero3_with_the_hf_backend_on_several_ranks_is_refused_with_the_reason(tmp_path, monkeypatch):
     """The HF backend generates with the partitioned module (every forward a collective) while ranks sample
     different trees: it would hang, so the trainer refuses it."""
-    import trace.loop
+    import trace.training.loop
     from trace.envs.registry import make_environment
     from trace.policy.model import build_tiny_policy
     from trace.predictor import make_predictor
 
-    monkeypatch.setattr(trace.loop, "world_size", lambda: 2)
+    monkeypatch.setattr(trace.training.loop, "world_size", lambda: 2)
     cfg = load_config(TINY, overrides={"update.zero_stage": 3, "predictor.kind": "history"})
     env = make_environment(cfg.task, cfg.seed)
     policy = build_tiny_policy(cfg.policy, env.vocabulary(), cfg.seed)
     with pytest.raises(ValueError, match="zero_stage=3 with rollout.backend=hf on several ranks"):
-        trace.loop.Trainer(cfg, "trace", policy=policy, env=env, train_prompts=env.prompts("train"),
+        trace.training.loop.Trainer(cfg, "trace", policy=policy, env=env, train_prompts=env.prompts("train"),
                            eval_prompts=env.prompts("eval"), predictor=make_predictor(cfg.predictor, env=env,
                                                                                      policy=policy, seed=cfg.seed),
                            run_dir=tmp_path, progress=False)

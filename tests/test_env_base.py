@@ -3,7 +3,7 @@ import math
 import numpy as np
 import pytest
 
-from trace.config import KGQAConfig, SimulatorConfig, TaskConfig
+from trace.configuration.config import KGQAConfig, SimulatorConfig, TaskConfig
 from trace.data_paths import DataError
 from trace.envs.base import (DEFAULT_REWARD_RANGE, ChecksPrompts, Demonstrates, GeneratesPrompts, HasVocabulary,
                              KnowsTrueSuccessProb, Prompt, reward_range_of)

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trace.config import DataFileConfig, TaskConfig, TaskName
+from trace.configuration.config import DataFileConfig, TaskConfig, TaskName
 from trace.data.splits import load_prompts
 from trace.envs.base import EpisodeFinishedError
 from trace.envs.api_bank import check_api_bank_calls

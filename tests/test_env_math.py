@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trace.config import DataFileConfig, TaskConfig, TaskName
+from trace.configuration.config import DataFileConfig, TaskConfig, TaskName
 from trace.data.splits import load_prompts
 from trace.envs.answers import extract_boxed, is_empty_math_answer, math_answers_match, parse_number
 from trace.envs.base import EpisodeFinishedError, Prompt

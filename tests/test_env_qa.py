@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from trace.config import DataFileConfig, TaskConfig, TaskName
+from trace.configuration.config import DataFileConfig, TaskConfig, TaskName
 from trace.data_paths import DataError
 from trace.data.splits import load_prompts
 from trace.envs.answers import answer_f1, normalize_answer, parse_action, ParsedAction, ActionError, qa_scores

@@ -2,7 +2,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from trace.config import KGQAConfig, SimulatorConfig, TaskConfig, TaskName
+from trace.configuration.config import KGQAConfig, SimulatorConfig, TaskConfig, TaskName
 from trace.envs import registry
 from trace.envs.base import Environment, EnvState, EpisodeFinishedError, Prompt, StepResult
 from trace.envs.checker import EnvironmentCheckError, check_environment, garbage_actions

@@ -12,8 +12,8 @@ import yaml
 
 from flows import check_params as check_params_cli
 from flows import pipeline as pipeline_cli
-from trace.checkpoint import CheckpointError
-from trace.config import ConfigError
+from trace.training.checkpoint import CheckpointError
+from trace.configuration.config import ConfigError
 from trace.data_paths import DataError
 from trace.envs.retrieval import RetrieverError
 from trace.errors import DEBUG_ENV, UserError, quiet_orchestrator_tracebacks, user_errors
@@ -111,8 +111,8 @@ def _real_checkpoint(tmp_path):
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from trace.checkpoint import write_checkpoint
-    from trace.config import UpdateConfig
+    from trace.training.checkpoint import write_checkpoint
+    from trace.configuration.config import UpdateConfig
     from trace.update import PolicyUpdater
 
     torch.manual_seed(0)
@@ -136,7 +136,7 @@ def _real_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("damaged", ["deepspeed", "predictor", "state"])
 def test_a_truncated_checkpoint_names_its_file_and_the_fix(tmp_path, deepspeed_ready, damaged):
-    from trace.checkpoint import CHECKPOINT_DIR, PREDICTOR_FILE, STATE_FILE, load_checkpoint
+    from trace.training.checkpoint import CHECKPOINT_DIR, PREDICTOR_FILE, STATE_FILE, load_checkpoint
 
     updater, predictor = _real_checkpoint(tmp_path)
     ckpt = tmp_path / CHECKPOINT_DIR
@@ -152,7 +152,7 @@ def test_a_truncated_checkpoint_names_its_file_and_the_fix(tmp_path, deepspeed_r
 
 
 def test_the_intact_real_checkpoint_loads(tmp_path, deepspeed_ready):
-    from trace.checkpoint import load_checkpoint
+    from trace.training.checkpoint import load_checkpoint
 
     updater, predictor = _real_checkpoint(tmp_path)
     state = load_checkpoint(tmp_path, updater=updater(), predictor=predictor(), params_hash="h", ablation="grpo")

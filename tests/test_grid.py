@@ -8,7 +8,7 @@ PostgreSQL, and compare the grid with `dvc repro` in one folder.
 from pathlib import Path
 
 from flows.train import checkpoint_dir
-from trace.params_file import load_config
+from trace.configuration.params_file import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tests" / "params_tiny.yaml"

@@ -2,7 +2,7 @@ from collections import Counter
 
 import pytest
 
-from trace.config import KGQAConfig
+from trace.configuration.config import KGQAConfig
 from trace.envs.base import EpisodeFinishedError, Prompt
 from trace.envs.checker import check_environment, garbage_actions
 from trace.envs.kgqa import INVALID_ACTION, NO_RESULT, KGQAEnvironment, parse_action

@@ -5,7 +5,7 @@ import math
 import torch
 
 from scripts.kgqa_decisions import decision_probabilities
-from trace.config import KGQAConfig, PolicyConfig
+from trace.configuration.config import KGQAConfig, PolicyConfig
 from trace.envs.kgqa import KGQAEnvironment
 from trace.policy.model import build_tiny_policy
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trace.config import ConfigError, config_from_dict
-from trace.seeding import candidate_indices, check_candidate_pool, step_seed
+from trace.configuration.config import ConfigError, config_from_dict
+from trace.training.seeding import candidate_indices, check_candidate_pool, step_seed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,9 +90,9 @@ def test_a_pool_smaller_than_the_candidates_fails_at_config_load(task, key):
 
 # ---- the dapo arm's step -------------------------------------------------------------------------------------
 def tiny_trainer(ablation, run_dir):
-    from trace.params_file import load_config
+    from trace.configuration.params_file import load_config
     from trace.envs.registry import make_environment
-    from trace.loop import Trainer
+    from trace.training.loop import Trainer
     from trace.policy.model import build_tiny_policy
     from trace.predictor import make_predictor
 
@@ -157,7 +157,7 @@ def test_dapo_step_without_a_mixed_group_trains_on_nothing_and_logs_it(tmp_path,
 
 @pytest.mark.slow
 def test_a_trace_step_logs_the_allocation_audit_of_its_trees(tmp_path):
-    from trace.audit import AUDIT_METRIC_KEYS, mixed_root_groups
+    from trace.reporting.audit import AUDIT_METRIC_KEYS, mixed_root_groups
     from trace.tree_io import read_trees, tree_path
 
     trainer = tiny_trainer("trace", tmp_path)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.test_update import EOS, _tiny_policy, rl_trees, sft_trees
-from trace.config import LoraConfig, PolicyConfig, UpdateConfig
+from trace.configuration.config import LoraConfig, PolicyConfig, UpdateConfig
 from trace.policy.lora import ADAPTER_DIR, apply_lora, is_lora_model, merged_state_dict, save_merged
 from trace.policy.model import build_tiny_policy, load_policy, save_policy
 from trace.update import PolicyUpdater, init_distributed_env
@@ -222,8 +222,8 @@ def test_a_lora_train_stage_samples_with_the_adapters_and_writes_the_merged_poli
 
     from flows.train import write_outputs
     from trace.envs.registry import make_environment
-    from trace.loop import Trainer
-    from trace.params_file import load_config
+    from trace.training.loop import Trainer
+    from trace.configuration.params_file import load_config
     from trace.predictor import make_predictor
 
     root = Path(__file__).resolve().parents[1]
@@ -262,7 +262,7 @@ def test_a_lora_train_stage_samples_with_the_adapters_and_writes_the_merged_poli
 
 
 def test_a_warmup_snapshot_of_a_lora_policy_holds_only_the_adapters_and_restores_them():
-    from trace.warmup import restore_snapshot, trainable_snapshot
+    from trace.training.warmup import restore_snapshot, trainable_snapshot
 
     model = _lora_policy().model
     snapshot = trainable_snapshot(model)
@@ -280,7 +280,7 @@ def test_a_warmup_snapshot_of_a_lora_policy_holds_only_the_adapters_and_restores
 
 
 def test_a_warmup_snapshot_of_a_full_policy_holds_every_weight():
-    from trace.warmup import trainable_snapshot
+    from trace.training.warmup import trainable_snapshot
 
     model = _tiny_policy(0)
     assert set(trainable_snapshot(model)) == {name for name, _ in model.named_parameters()}
@@ -290,7 +290,7 @@ def test_a_lora_policy_generates_through_a_merged_copy_reloaded_at_each_announce
     from pathlib import Path
 
     from trace.envs.registry import make_environment
-    from trace.params_file import load_config
+    from trace.configuration.params_file import load_config
     from trace.policy.hf_backend import HFBackend
     from trace.policy.lora import merged_copy
     from trace.policy.weights import mark_weights_updated

@@ -12,7 +12,7 @@ def test_core_modules_import_without_torch_deepspeed_or_vllm():
     import subprocess
     import sys
 
-    code = ("import sys, trace.tree, trace.tree_io, trace.config, trace.envs.base; "
+    code = ("import sys, trace.tree, trace.tree_io, trace.configuration.config, trace.envs.base; "
             "bad = [m for m in ('torch', 'deepspeed', 'vllm') if m in sys.modules]; "
             "assert not bad, bad")
     root = Path(__file__).resolve().parents[1]

@@ -155,7 +155,7 @@ def _without_times(data: dict) -> dict:
 def test_a_killed_dvc_exp_run_resumes_training_and_records_the_experiment(project):
     """SIGKILL during train@dapo-0 after its step-2 checkpoint; the same `dvc exp run` again resumes at step 2
     (though DVC restores the stage's outputs from dvc.lock first) and ends as an uninterrupted run does."""
-    from trace.params_file import load_config
+    from trace.configuration.params_file import load_config
     from trace.tree_io import tree_path
 
     project_dir, env = project
@@ -220,7 +220,7 @@ def _tree_rows(trees_root: Path) -> list[tuple]:
 def test_a_train_stage_launched_on_two_ranks_writes_one_run_and_the_trees_one_process_writes(project):
     """`dvc exp run -S +launch.launcher=torchrun -S +launch.num_processes=2`: the stage command starts torchrun, two
     gloo ranks train, rank 0 alone writes; the same params in one process sample the same trees."""
-    from trace.params_file import load_config
+    from trace.configuration.params_file import load_config
 
     project_dir, env = project
     env = {**env, "OMP_NUM_THREADS": "1"}  # one thread per rank in both runs

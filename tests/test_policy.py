@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from trace.config import KGQAConfig, PolicyConfig
+from trace.configuration.config import KGQAConfig, PolicyConfig
 from trace.envs.kgqa import KGQAEnvironment
 from trace.policy.backends import (Generation, GenerationBackend, continuation_logprobs, request_seeds,
                                    sample_tokens)

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trace.config import KGQAConfig, PolicyConfig
+from trace.configuration.config import KGQAConfig, PolicyConfig
 from trace.envs.kgqa import KGQAEnvironment
 from trace.policy.build import build_policy
 from trace.policy.format import FormatKind

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from trace.config import PredictorConfig, PredictorKind, SimulatorConfig
+from trace.configuration.config import PredictorConfig, PredictorKind, SimulatorConfig
 from trace.envs.base import EnvState, Prompt
 from trace.envs.simulator import SimulatorEnvironment
 from trace.predictor import (
@@ -426,7 +426,7 @@ def test_policy_head_features_are_computed_once_kept_for_the_window_and_saved(ti
 
 
 def test_policy_head_renders_root_tokens_with_the_policy_format():
-    from trace.config import PolicyConfig
+    from trace.configuration.config import PolicyConfig
     from trace.policy.model import build_tiny_policy
 
     policy = build_tiny_policy(PolicyConfig(hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,

@@ -5,7 +5,7 @@ import zlib
 import numpy as np
 import pytest
 
-from trace.config import PredictorConfig, PredictorKind, SimulatorConfig
+from trace.configuration.config import PredictorConfig, PredictorKind, SimulatorConfig
 from trace.envs.simulator import SimulatorEnvironment
 from trace.predictor.fitting import fit_with_holdout, holdout_split
 from trace.predictor.registry import make_predictor

@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trace.config import PredictorConfig, PredictorKind, SimulatorConfig
+from trace.configuration.config import PredictorConfig, PredictorKind, SimulatorConfig
 from trace.envs.simulator import SimulatorEnvironment
 from trace.predictor.base import PredictorBase, SuccessPredictor
 from trace.predictor.history import HistoryPredictor

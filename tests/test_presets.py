@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from trace.params_file import load_config, read_params_file
+from trace.configuration.params_file import load_config, read_params_file
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
@@ -53,12 +53,12 @@ def test_hotpotqa_preset_warms_up_and_trains_a_lora_step_with_smollm2_on_cpu(tmp
     _require_smollm2_and_shared_data()
     from trace.data.splits import load_prompts
     from trace.envs.registry import make_environment
-    from trace.evaluation import evaluate_policy
-    from trace.loop import Trainer
+    from trace.training.evaluation import evaluate_policy
+    from trace.training.loop import Trainer
     from trace.policy.lora import is_lora_model
     from trace.policy.model import load_pretrained_policy
     from trace.predictor import make_predictor
-    from trace.warmup import run_warmup
+    from trace.training.warmup import run_warmup
 
     cfg = load_config(ROOT / "params" / "hotpotqa.yaml", overrides={
         "allocation.trajectory_budget": 4, "allocation.num_candidates": 2, "allocation.group_size": 2,

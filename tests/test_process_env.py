@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from trace.process_env import (LAUNCHER_ENV, PROCESS_ENV, REPO_ROOT, apply_process_env, make_assignments,
+from trace.configuration.process_env import (LAUNCHER_ENV, PROCESS_ENV, REPO_ROOT, apply_process_env, make_assignments,
                                select_accelerator)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,11 +52,11 @@ def test_make_assignments_are_one_word_each_and_refuse_whitespace():
 
 
 def test_the_module_prints_the_launcher_table_without_importing_torch():
-    out = subprocess.run([sys.executable, "-m", "trace.process_env", "--make"], cwd=ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "trace.configuration.process_env", "--make"], cwd=ROOT, capture_output=True,
                          text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == make_assignments({**PROCESS_ENV, **LAUNCHER_ENV})
-    check = ("import sys, trace.process_env; bad = [m for m in ('torch', 'numpy') if m in sys.modules]; "
+    check = ("import sys, trace.configuration.process_env; bad = [m for m in ('torch', 'numpy') if m in sys.modules]; "
              "assert not bad, bad")
     subprocess.run([sys.executable, "-c", check], cwd=ROOT, check=True)
 

@@ -11,9 +11,9 @@ import pytest
 
 from flows.common import run_config
 from flows.report import collect
-from trace.params_file import load_config
-from trace.report import evaluate_run_ids, first_runs, mlflow_links
-from trace.report_markdown import render_markdown
+from trace.configuration.params_file import load_config
+from trace.reporting.report import evaluate_run_ids, first_runs, mlflow_links
+from trace.reporting.report_markdown import render_markdown
 from trace.tracking import SHARED_VIEW_TAG_PREFIX, arm_result_metrics, share_arms_view, stage_run, summary_metrics
 
 PARAMS = Path(__file__).resolve().parent / "params_tiny.yaml"

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from trace.report import TABLE_SUMMARY_KEYS, arm_statistics, regime_summary
-from trace.report_markdown import render_markdown
-from trace.report_json import metrics_table
-from trace.report_plots import AUDIT_PLOT, PLOTS, write_plots
+from trace.reporting.report import TABLE_SUMMARY_KEYS, arm_statistics, regime_summary
+from trace.reporting.report_markdown import render_markdown
+from trace.reporting.report_json import metrics_table
+from trace.reporting.report_plots import AUDIT_PLOT, PLOTS, write_plots
 from trace.tracking.names import SUMMARY_METRIC_NAMES
 
 # one seed: trace and grpo tie on held-out accuracy (0.400); trace ranks first on effective ratio (0.9 > 0.6);

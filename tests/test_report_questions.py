@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trace.report import arm_statistics, regime_summary
-from trace.report_json import metrics_table
-from trace.report_markdown import render_markdown
-from trace.report_questions import attach_question_results, read_question_results
+from trace.reporting.report import arm_statistics, regime_summary
+from trace.reporting.report_json import metrics_table
+from trace.reporting.report_markdown import render_markdown
+from trace.reporting.report_questions import attach_question_results, read_question_results
 from trace.tracking.names import QUESTIONS_KEY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,8 +140,8 @@ def test_the_report_reads_each_evaluations_questions_and_checks_them_against_its
 
 def test_an_evaluation_keeps_each_questions_greedy_reward_by_prompt_uid():
     from trace.envs.registry import make_environment
-    from trace.evaluation import evaluate_policy, question_rewards
-    from trace.params_file import load_config
+    from trace.training.evaluation import evaluate_policy, question_rewards
+    from trace.configuration.params_file import load_config
     from trace.policy.model import build_tiny_policy
 
     cfg = load_config(ROOT / "tests" / "params_tiny.yaml")

@@ -18,9 +18,9 @@ pytestmark = pytest.mark.slow
 SCRIPT = r"""
 import sys, json
 from pathlib import Path
-from trace.params_file import load_config
+from trace.configuration.params_file import load_config
 from trace.envs.registry import make_environment
-from trace.loop import Trainer
+from trace.training.loop import Trainer
 from trace.policy.model import build_tiny_policy
 from trace.predictor import make_predictor
 

@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from trace.config import KGQAConfig, PolicyConfig, RolloutConfig
+from trace.configuration.config import KGQAConfig, PolicyConfig, RolloutConfig
 from trace.envs.base import EnvState, EpisodeFinishedError, Prompt, StepResult
 from trace.envs.kgqa import KGQAEnvironment
 from trace.policy.backends import continuation_logprobs

@@ -12,7 +12,7 @@ import itertools
 
 import pytest
 
-from trace.config import KGQAConfig, PolicyConfig
+from trace.configuration.config import KGQAConfig, PolicyConfig
 from trace.envs.kgqa import KGQAEnvironment
 from trace.policy.model import build_tiny_policy
 from trace.rollout import expand_prefixes, rollout_roots

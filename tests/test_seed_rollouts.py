@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from trace.seed_rollouts import choose_seed_prompts
-from trace.seeding import step_seed
+from trace.training.seed_rollouts import choose_seed_prompts
+from trace.training.seeding import step_seed
 
 
 def test_seed_prompts_are_a_seeded_draw_without_replacement_in_pool_order():

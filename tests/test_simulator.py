@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from trace.config import SimulatorConfig
+from trace.configuration.config import SimulatorConfig
 from trace.envs.base import EpisodeFinishedError, KnowsTrueSuccessProb, Prompt
 from trace.envs.checker import check_environment
 from trace.envs.simulator import SimulatorEnvironment, martingale_step

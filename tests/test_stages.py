@@ -1,4 +1,4 @@
-"""The stage params table (trace/stages.py) against dvc.yaml and against what the stages really read."""
+"""The stage params table (trace/configuration/stages.py) against dvc.yaml and against what the stages really read."""
 
 import json
 import os
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from trace.params_file import load_config
-from trace.stages import (NON_RESULT_PARAMS, STAGE_PARAMS, deps_digest, dvc_stage_params, record_param_reads,
+from trace.configuration.params_file import load_config
+from trace.configuration.stages import (NON_RESULT_PARAMS, STAGE_PARAMS, deps_digest, dvc_stage_params, record_param_reads,
                           stage_deps, stage_params, uncovered)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,8 +134,8 @@ import json, sys
 from flows.common import setup_process_env
 setup_process_env()
 import flows.prepare, flows.warmup, flows.seed_rollouts, flows.fit_predictor, flows.train, flows.evaluate, flows.report
-from trace.params_file import load_config
-from trace.stages import record_param_reads
+from trace.configuration.params_file import load_config
+from trace.configuration.stages import record_param_reads
 
 params, out = sys.argv[1], sys.argv[2]
 ablations = list(load_config(params).train.ablations)
@@ -189,7 +189,7 @@ def test_each_stage_reads_no_param_outside_its_table_entry(recorded_reads):
     assert set(recorded_reads) == set(STAGE_PARAMS)
     for stage, keys in recorded_reads.items():
         assert uncovered(keys, STAGE_PARAMS[stage], NON_RESULT_PARAMS) == [], \
-            f"stage {stage} reads params missing from trace.stages.STAGE_PARAMS[{stage!r}]"
+            f"stage {stage} reads params missing from trace.configuration.stages.STAGE_PARAMS[{stage!r}]"
 
 
 @pytest.mark.slow

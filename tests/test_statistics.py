@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from trace.statistics import common_grid, curve_band, mean_interval, paired_bootstrap, paired_difference, t_quantile, \
+from trace.reporting.statistics import common_grid, curve_band, mean_interval, paired_bootstrap, paired_difference, t_quantile, \
     tokens_to_target
 
 

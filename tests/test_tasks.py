@@ -4,7 +4,7 @@ import importlib
 
 import pytest
 
-from trace.config import TaskConfig, TaskName
+from trace.configuration.config import TaskConfig, TaskName
 from trace.data_paths import DEFAULT_FILES
 from trace.data.splits import REAL_TASKS, TASK_FORMATS
 from trace.envs import fc, math, qa, registry

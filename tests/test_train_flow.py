@@ -6,7 +6,7 @@ import pytest
 
 from flows.common import REPO_ROOT, checkpoint_store, eval_path, run_config, run_dir, stage_args
 from flows.train import checkpoint_dir, log_checkpointed_steps
-from trace.params_file import load_config
+from trace.configuration.params_file import load_config
 
 TINY = Path(__file__).resolve().parent / "params_tiny.yaml"
 

@@ -1,7 +1,7 @@
 """The format's turn prefix (``policy.turn_prefix``, e.g. ``"Thought:"``) opens every turn once, as context.
 
 For every task family's solver (kgqa, math, qa, fc) and every format (chat and plain with the prefix the
-presets use; words, which has none), a warmup demonstration (``trace.warmup.demonstration_trees``) is
+presets use; words, which has none), a warmup demonstration (``trace.training.warmup.demonstration_trees``) is
 built into its real token sequence and loss mask: the prefix occurs exactly once before each turn, on
 tokens with loss mask 0, and the tokens the demonstration trains are those a rollout generates after it.
 The rollout side uses a scripted backend that writes the turns a policy writes after the prefix (sampling
@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from trace.config import KGQAConfig, PolicyConfig
+from trace.configuration.config import KGQAConfig, PolicyConfig
 from trace.envs.base import Prompt
 from trace.envs.fc import FunctionCallingEnvironment
 from trace.envs.kgqa import KGQAEnvironment
@@ -28,7 +28,7 @@ from trace.policy.model import Policy, build_tiny_policy
 from trace.rollout import rollout_roots
 from trace.sampling import SamplingSpec
 from trace.tree import FinishReason
-from trace.warmup import demonstration_trees
+from trace.training.warmup import demonstration_trees
 
 PREFIX = "Thought:"  # params/gsm8k.yaml, params/hotpotqa.yaml, params/bfcl.yaml
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "

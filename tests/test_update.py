@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from trace.config import UpdateConfig
+from trace.configuration.config import UpdateConfig
 from trace.losses import clipped_surrogate_loss, token_logprobs
 from trace.tree import Origin, RolloutTree, make_prompt_uid
 from trace.update import (

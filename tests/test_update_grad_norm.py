@@ -57,7 +57,7 @@ def _trees():
 def run_rank(folder: str) -> None:
     """Two RL steps per ZeRO stage on this rank's trees (all four at world size 1); writes the logged norms
     and the weights after each step (rank 0) to ``<folder>/<world size>ranks_stage<s>_rank<r>.json|.pt``."""
-    from trace.config import UpdateConfig
+    from trace.configuration.config import UpdateConfig
     from trace.update import PolicyUpdater
 
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))

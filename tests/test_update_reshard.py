@@ -49,7 +49,7 @@ def _trees():
 
 def run_rank(mode: str, folder: str) -> None:
     """One rank's work: ``save`` (2 steps, checkpoint, 1 step) or ``resume`` (universal load, 1 step)."""
-    from trace.config import UpdateConfig
+    from trace.configuration.config import UpdateConfig
     from trace.update import PolicyUpdater
 
     cfg = UpdateConfig(lr=1e-2, micro_batch_size=2, zero_stage=ZERO_STAGE)

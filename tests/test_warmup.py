@@ -4,8 +4,8 @@ from types import SimpleNamespace
 
 import pytest
 
-import trace.warmup as warmup
-from trace.config import Config
+import trace.training.warmup as warmup
+from trace.configuration.config import Config
 from trace.envs.base import Prompt
 
 PROMPTS = [Prompt("toy", str(i), f"question {i}", "a", {}) for i in range(4)]

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from trace.config import PolicyConfig, UpdateConfig
+from trace.configuration.config import PolicyConfig, UpdateConfig
 from trace.policy.hf_backend import HFBackend
 from trace.policy.weights import weights_version
 from trace.policy.model import build_tiny_policy

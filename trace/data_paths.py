@@ -1,6 +1,6 @@
 """Where a task's data files are, and the errors and records of loading them.
 
-Relative paths are resolved against the main repository (``trace.process_env.main_repository``: ``$DVC_ROOT``
+Relative paths are resolved against the main repository (``trace.configuration.process_env.main_repository``: ``$DVC_ROOT``
 under DVC, so a queued experiment's temporary copy reads the same files); a resolved path must lie under an
 allowed root (that repository, ``<repo>/../shared/data``, or a folder listed in ``$TRACE_DATA_DIRS``, separated by
 ``os.pathsep``) so that a params file cannot point the pipeline at arbitrary files. When
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from trace.errors import UserError
-from trace.process_env import main_repository
+from trace.configuration.process_env import main_repository
 
 if TYPE_CHECKING:
     from trace.envs.base import Prompt

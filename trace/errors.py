@@ -1,8 +1,8 @@
 """Expected errors of the pipeline, and how a command-line entry point reports them.
 
-``UserError`` is the base of every error a user can cause and fix: a bad param (``trace.config.ConfigError``),
+``UserError`` is the base of every error a user can cause and fix: a bad param (``trace.configuration.config.ConfigError``),
 a missing or malformed data file (``trace.data_paths.DataError``), a damaged prepared-prompt, tree or checkpoint
-file (``trace.prepared.PreparedFileError``, ``trace.tree_io.TreeFileError``, ``trace.checkpoint.CheckpointError``),
+file (``trace.prepared.PreparedFileError``, ``trace.tree_io.TreeFileError``, ``trace.training.checkpoint.CheckpointError``),
 a retriever that does not answer (``trace.envs.retrieval.RetrieverError``), a reward of the wrong type
 (``trace.tree.RewardError``). Its message names the file, row or key and says how to fix it. Each subclass also
 derives from the builtin it replaces (``ValueError``, ``RuntimeError``), so code that caught those still does.

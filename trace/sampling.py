@@ -12,7 +12,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from trace.config import RolloutConfig
+from trace.configuration.config import RolloutConfig
 
 
 @dataclass(frozen=True)

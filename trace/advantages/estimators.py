@@ -169,7 +169,7 @@ ESTIMATORS: dict[str, Callable[..., list[np.ndarray]]] = {
 
 
 def get_estimator(name) -> Callable[..., list[np.ndarray]]:
-    """Look up an estimator by name (a string or ``trace.config.Estimator``).
+    """Look up an estimator by name (a string or ``trace.configuration.config.Estimator``).
 
     Raises:
         ValueError: unknown name; the message lists the valid names.

@@ -198,7 +198,7 @@ def get_arm(name: str) -> Arm:
 def root_budget_for(arm: Arm, trajectory_budget: int, expansion_ratio: float) -> int:
     """Trajectories an arm spends on root rollouts: T, or ``round(T / (1 + N))`` with prefix expansion.
 
-    Matches ``trace.config.AllocationConfig.root_budget``.
+    Matches ``trace.configuration.config.AllocationConfig.root_budget``.
     """
     if not arm.has_expansion:
         return int(trajectory_budget)

@@ -45,7 +45,7 @@ class DapoResult:
 class NoMixedGroupError(RuntimeError):
     """``run_dapo`` sampled no group with mixed rewards within its retries: the step has nothing to learn from.
 
-    Raised only for that outcome, so a caller can absorb it (``trace.loop.Trainer.step`` logs
+    Raised only for that outcome, so a caller can absorb it (``trace.training.loop.Trainer.step`` logs
     ``dapo/no_mixed_group`` and trains on nothing) while every other error raised by the rollouts, such as a
     ``trace.envs.qa.RetrieverError`` or ``torch.OutOfMemoryError``, still stops the run.
 

@@ -7,7 +7,7 @@ names one of each. Looking up an unknown name raises with the registered names; 
 raises.
 
 This module and the modules that register rules import numpy and ``trace.tree`` only (never
-``trace.config``), so the config can validate arm names against the registry at load.
+``trace.configuration.config``), so the config can validate arm names against the registry at load.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ class StepSampler(Protocol):
 
 @dataclass(frozen=True)
 class AnchorChoice:
-    """One anchor stage 2 branched, as the prefix rule saw it when it chose it (read by ``trace.audit``).
+    """One anchor stage 2 branched, as the prefix rule saw it when it chose it (read by ``trace.reporting.audit``).
 
     Attributes:
         tree_idx: the anchor's tree, an index into ``StepResult.trees``.
@@ -157,7 +157,7 @@ def allocate_step(arm: Arm, candidates: Sequence, sampler: StepSampler, acfg,
         arm: the arm (``trace.allocation.arms.get_arm``).
         candidates: the step's B candidate prompts (``trace.envs.base.Prompt``), in drawing order.
         sampler: rollouts and predictor scores (``StepSampler``).
-        acfg: the allocation section (``trace.config.AllocationConfig``): ``trajectory_budget``,
+        acfg: the allocation section (``trace.configuration.config.AllocationConfig``): ``trajectory_budget``,
             ``expansion_ratio``, ``group_size``, ``m_min``, ``m_max``, ``knapsack_m_min``, ``exact_max_cells``,
             ``dapo_max_retries``, ``rounds``, ``treepo_width``.
         rng_for: ``rng_for(purpose) -> numpy Generator`` of the step (purposes ``"dapo"``, ``"expand<r>"``).

@@ -46,7 +46,7 @@ from typing import Literal, Sequence
 
 import numpy as np
 
-from trace.config import KGQAConfig
+from trace.configuration.config import KGQAConfig
 from trace.envs.base import EnvState, EpisodeFinishedError, Prompt, StepResult
 from trace.envs.kgqa_solver import solve as _solve
 from trace.envs.kgqa_words import (  # noqa: F401  (re-exported: the action grammar)

@@ -1,6 +1,6 @@
 """The kgqa solver: demonstrations that search each entity along a question's chain, then finish.
 
-Used by the warmup SFT (``trace.warmup.demonstration_trees``) and the environment checker. Two optional
+Used by the warmup SFT (``trace.training.warmup.demonstration_trees``) and the environment checker. Two optional
 imperfections, both seeded per (seed, prompt) so a demonstration is a function of the params alone:
 ``demo_noise`` inserts one wrong search that the solver then corrects (the episode still succeeds), and the
 task's ``kgqa.demo_confusion`` makes it follow a look-alike line at an ambiguous hop (the episode fails unless

@@ -20,7 +20,7 @@ import importlib
 from pathlib import Path
 from typing import Sequence
 
-from trace.config import TaskConfig, TaskName
+from trace.configuration.config import TaskConfig, TaskName
 from trace.data_paths import DataError
 from trace.envs.base import ChecksPrompts, Environment, Prompt
 from trace.tasks import TASKS

@@ -36,7 +36,7 @@ from typing import Literal, Mapping, Sequence
 
 import numpy as np
 
-from trace.config import SimulatorConfig
+from trace.configuration.config import SimulatorConfig
 from trace.envs.base import EnvState, EpisodeFinishedError, Prompt, StepResult
 from trace.tree import FinishReason, Origin, RolloutTree
 

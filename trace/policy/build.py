@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trace.config import PolicyConfig
+from trace.configuration.config import PolicyConfig
 from trace.envs.base import HasVocabulary
 from trace.policy.model import Policy, build_tiny_policy, load_pretrained_policy
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from trace.config_update import LoraConfig
+from trace.configuration.config_update import LoraConfig
 
 ADAPTER_DIR = "adapter"  # adapters of a LoRA policy, inside the saved policy folder
 _ADAPTER = "default"  # peft's name of the one adapter

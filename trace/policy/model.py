@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from trace.config import PolicyConfig
+from trace.configuration.config import PolicyConfig
 from trace.policy.format import ChatFormat, FormatKind
 from trace.policy.lora import ADAPTER_DIR, is_lora_model, save_adapter, save_merged
 

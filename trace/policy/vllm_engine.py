@@ -99,7 +99,7 @@ def replica_devices(data_parallel_size: int, tensor_parallel_size: int,
         tensor_parallel_size: GPUs per replica >= 1.
         visible: the visible device ids; ``None`` = ``$CUDA_VISIBLE_DEVICES`` or ``0 .. device_count - 1``.
 
-    Under a launcher with several ranks on the node (``trace.parallel``: each training rank samples its own
+    Under a launcher with several ranks on the node (``trace.training.parallel``: each training rank samples its own
     trees), each rank starts one engine on its own GPU, the visible device ``LOCAL_RANK``, which its DeepSpeed
     engine uses too.
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from trace.config import PredictorConfig, PredictorKind
+from trace.configuration.config import PredictorConfig, PredictorKind
 from trace.envs.base import Prompt
 from trace.predictor.calibration import brier_score, expected_calibration_error, log_loss, roc_auc
 from trace.predictor.labels import node_examples

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from trace.config import PredictorConfig, PredictorKind
+from trace.configuration.config import PredictorConfig, PredictorKind
 from trace.envs.base import Prompt
 from trace.predictor.base import BuildContext, EncodeFn, check_prompt_args, clip_predictions
 from trace.predictor.head import HeadPredictorBase

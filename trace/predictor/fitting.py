@@ -11,7 +11,7 @@ from __future__ import annotations
 import zlib
 from typing import Any, Sequence
 
-from trace.config import PredictorConfig
+from trace.configuration.config import PredictorConfig
 from trace.predictor.base import SuccessPredictor
 from trace.predictor.registry import make_predictor
 from trace.tree import RolloutTree

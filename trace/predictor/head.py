@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
 
-from trace.config import PredictorConfig
+from trace.configuration.config import PredictorConfig
 from trace.predictor.base import PredictorBase, stable_int
 from trace.predictor.labels import node_examples
 from trace.tree import RolloutTree

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from trace.config import PredictorConfig, PredictorKind
+from trace.configuration.config import PredictorConfig, PredictorKind
 from trace.envs.base import Prompt
 from trace.envs.simulator import OBS_DOWN, OBS_UP
 from trace.predictor.base import BuildContext, PredictorBase, logit, sigmoid

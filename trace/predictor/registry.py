@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from trace.config import PredictorConfig, PredictorKind
+from trace.configuration.config import PredictorConfig, PredictorKind
 from trace.predictor.base import BuildContext, EncodeFn, PredictorBase, SuccessPredictor
 from trace.predictor.encoder import EncoderPredictor
 from trace.predictor.history import HistoryPredictor

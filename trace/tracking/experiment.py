@@ -18,7 +18,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Sequence
 
-from trace.process_env import main_repository
+from trace.configuration.process_env import main_repository
 from trace.tracking.names import HEADLINE_METRICS, HELDOUT_ACCURACY, SEED_TAG, heldout_pass_name
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -38,7 +38,7 @@ SUMMARY_METRIC_NAMES: dict[str, str] = {
 }
 HELDOUT_ACCURACY = "arm/acc"  # evaluate stage: held-out greedy accuracy of the trained policy
 TRAIN_ACCURACY_PREFIX = "accuracy_train"  # greedy accuracy on training questions (memorisation check)
-GREEDY_ACCURACY = "accuracy/greedy"  # trace.evaluation metric whose value HELDOUT_ACCURACY carries
+GREEDY_ACCURACY = "accuracy/greedy"  # trace.training.evaluation metric whose value HELDOUT_ACCURACY carries
 # key of an evaluation output's per-question greedy rewards ({prompt_uid: reward}, mean = GREEDY_ACCURACY)
 QUESTIONS_KEY = "greedy_by_question"
 HEADLINE_METRICS = (HELDOUT_ACCURACY, "arm/eff_ratio")
@@ -81,7 +81,7 @@ def arm_result_metrics(eval_metrics: Mapping[str, float], train_summary: Mapping
     compare view colours its plot by it) and the mean effective ratio its second.
 
     Args:
-        eval_metrics: ``trace.evaluation.evaluate_policy`` metrics (``accuracy/greedy``, ``accuracy/pass@k``).
+        eval_metrics: ``trace.training.evaluation.evaluate_policy`` metrics (``accuracy/greedy``, ``accuracy/pass@k``).
         train_summary: ``Trainer.summary()`` of the arm (its ``summary.json``; other keys are ignored).
         pass_k: ``evaluate.pass_k``.
 

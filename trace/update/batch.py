@@ -99,6 +99,16 @@ class TrainingBatch:
                              num_truncated=self.num_truncated)
 
 
+def empty_micro_batch(pad_token_id: int) -> TrainingBatch:
+    """A micro-batch of one 2-token padding row that trains nothing (loss mask 0): lets a rank with fewer
+    micro-batches join the same number of backward passes as the others (ZeRO-2/3 reduce in every backward)."""
+    pad = torch.full((1, 2), pad_token_id, dtype=torch.long)
+    zeros = torch.zeros(1, 2, dtype=torch.float32)
+    return TrainingBatch(input_ids=pad, attention_mask=torch.ones_like(pad), position_ids=torch.arange(2).unsqueeze(0),
+                         loss_mask=zeros, advantages=zeros, old_logprobs=zeros, lengths=torch.tensor([2]),
+                         row_tokens=torch.zeros(1, dtype=torch.long))
+
+
 def _check_node(tree: RolloutTree, node: Node) -> None:
     n = len(node.token_ids)
     if len(node.logprobs) != n or len(node.loss_mask) != n:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from trace.config import UpdateConfig
+from trace.configuration.config import UpdateConfig
 
 
 def _free_port() -> int:
@@ -138,3 +138,16 @@ def convert_to_universal_checkpoint(checkpoint_dir: str | Path, tag: str, univer
         raise RuntimeError(f"ds_to_universal failed on {checkpoint_dir / tag} (exit {proc.returncode}):\n"
                            f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     return universal_tag
+
+
+def enable_gradient_checkpointing(model: Any) -> None:
+    """Recompute activations in the backward pass instead of keeping them (``update.gradient_checkpointing``).
+
+    transformers >= 5.24 names it activation checkpointing; older versions, gradient checkpointing. Non-reentrant,
+    so it works with frozen inputs (LoRA) and DeepSpeed's hooks.
+    """
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

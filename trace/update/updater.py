@@ -28,13 +28,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from trace.config import UpdateConfig
+from trace.configuration.config import UpdateConfig
 from trace.losses import clipped_surrogate_loss, kl_penalty_loss, sft_loss, token_logprobs
 from trace.policy.lora import is_lora_model, merged_state_dict
 from trace.policy.weights import mark_weights_updated, weights_version
 from trace.tree import RolloutTree
-from trace.update.batch import TrainingBatch, build_training_batch
-from trace.update.deepspeed_setup import _world_size, deepspeed_config, init_distributed_env
+from trace.update.batch import TrainingBatch, build_training_batch, empty_micro_batch
+from trace.update.deepspeed_setup import _world_size, deepspeed_config, enable_gradient_checkpointing, \
+    init_distributed_env
 
 REFERENCE_POLICY_FILE = "reference_policy.pt"  # frozen KL reference, saved beside DeepSpeed's checkpoint
 _CLIENT_STATE_KEY = "trace_policy_updater"
@@ -79,12 +80,7 @@ class PolicyUpdater:
         self.pad_token_id = int(pad_token_id) if pad_token_id is not None else 0
         torch.manual_seed(seed)
         if update_cfg.gradient_checkpointing:
-            # transformers >= 5.24 renames gradient checkpointing to activation checkpointing
-            enable = getattr(model, "activation_checkpointing_enable", None)
-            if enable is not None:
-                enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_gradient_checkpointing(model)
         self.ref_model: torch.nn.Module | None = None
         # a LoRA policy's reference is its base: the same module with the adapters off, no second copy
         self.reference_is_base = update_cfg.kl_coef > 0 and ref_model is None and is_lora_model(model)
@@ -228,13 +224,7 @@ class PolicyUpdater:
             return micro
         count = torch.tensor([len(micro)], dtype=torch.long).to(self.device)
         torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
-        while len(micro) < int(count.item()):
-            pad = torch.full((1, 2), self.pad_token_id, dtype=torch.long)
-            zeros = torch.zeros(1, 2, dtype=torch.float32)
-            micro.append(TrainingBatch(
-                input_ids=pad, attention_mask=torch.ones_like(pad), position_ids=torch.arange(2).unsqueeze(0),
-                loss_mask=zeros, advantages=zeros, old_logprobs=zeros, lengths=torch.tensor([2]),
-                row_tokens=torch.zeros(1, dtype=torch.long)))
+        micro += [empty_micro_batch(self.pad_token_id) for _ in range(int(count.item()) - len(micro))]
         return micro
 
     def _clip_applied_gradient(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

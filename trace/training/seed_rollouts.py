@@ -14,11 +14,11 @@ import numpy as np
 from trace.allocation.arms import get_arm
 from trace.allocation.prefix import split_expansion_budget
 from trace.allocation.prefix_rules import plan_expansion
-from trace.config import Config
+from trace.configuration.config import Config
 from trace.envs.base import Prompt
 from trace.rollout import expand_prefixes, rollout_roots
 from trace.sampling import make_rollout_backend, sampling_spec
-from trace.seeding import step_rng, step_seed
+from trace.training.seeding import step_rng, step_seed
 from trace.tree import RolloutTree
 
 

@@ -12,7 +12,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from trace.config import RolloutConfig
+from trace.configuration.config import RolloutConfig
 from trace.envs.base import Environment, Prompt
 from trace.rollout import rollout_roots
 from trace.sampling import make_rollout_backend, sampling_spec

@@ -1,4 +1,4 @@
-"""``reports/summary.md``: the ablation report in words (``trace.report``'s statistics).
+"""``reports/summary.md``: the ablation report in words (``trace.reporting.report``'s statistics).
 
 ``render_markdown`` states the regime (where warmup left the policy, grpo's gain over it), ranks the arms by
 mean held-out greedy accuracy (ties: effective ratio), and says in words which differences against ``grpo``
@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
-from trace.report import AUDIT_KEYS, BASELINE, CONFIDENCE, PAIRED_COLUMNS, arm_statistics, regime_summary, seeds_of
-from trace.statistics import BOOTSTRAP, BOOTSTRAP_RESAMPLES, Interval
+from trace.reporting.report import AUDIT_KEYS, BASELINE, CONFIDENCE, PAIRED_COLUMNS, arm_statistics, regime_summary, seeds_of
+from trace.reporting.statistics import BOOTSTRAP, BOOTSTRAP_RESAMPLES, Interval
 
 
 def _regime_lines(regime: dict) -> list[str]:
@@ -105,7 +105,7 @@ def render_markdown(results: dict, warmup: dict, pass_k: int, links: dict[str, s
         warmup: the warmup stage's metrics (``accuracy/greedy`` is the baseline shown), or ``{}``.
         pass_k: ``evaluate.pass_k``; the sampled columns read ``accuracy/mean_at_<k>`` and ``pass_at_<k>``.
         links: ``mlflow_links`` output, or None to leave the links out.
-        plots: the PNG names written (``trace.report_plots.write_plots``), listed under the table.
+        plots: the PNG names written (``trace.reporting.report_plots.write_plots``), listed under the table.
         confidence: interval coverage.
         num_eval: held-out questions of an evaluation (``evaluate.num_prompts``), for standard errors.
         warmup_questions: the warmup policy's per-question greedy rewards (``regime_summary``), or None.

@@ -2,13 +2,13 @@
 
 ``collect_results`` reads, per arm and seed, the newest finished train run (its per-step metric histories and
 run-level ``arm/*`` results, named by ``trace.tracking.names.SUMMARY_METRIC_NAMES``) and evaluate run (its
-held-out metrics); ``trace.report_questions`` adds each evaluation's per-question results. ``arm_statistics``
+held-out metrics); ``trace.reporting.report_questions`` adds each evaluation's per-question results. ``arm_statistics``
 gives per arm the mean over seeds and its 95 % t-interval of every table column, the paired differences
 against ``grpo`` (same seed = a pair; held-out greedy accuracy by a paired bootstrap over questions and seeds
 where per-question results exist) and the generated tokens each arm needs to reach ``grpo``'s final
-in-training accuracy (``trace.statistics``, docs/method.md "Statistics over seeds"), and
-``regime_summary`` where warmup left the policy. ``trace.report_markdown`` writes them as
-``reports/summary.md``, ``trace.report_json`` as ``reports/metrics.json`` and ``trace.report_plots`` draws
+in-training accuracy (``trace.reporting.statistics``, docs/method.md "Statistics over seeds"), and
+``regime_summary`` where warmup left the policy. ``trace.reporting.report_markdown`` writes them as
+``reports/summary.md``, ``trace.reporting.report_json`` as ``reports/metrics.json`` and ``trace.reporting.report_plots`` draws
 the curves with their bands. The same MLflow data and evaluation outputs give the same bytes.
 """
 
@@ -17,8 +17,8 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
-from trace.report_questions import bootstrap_against, bootstrap_gain
-from trace.statistics import mean_interval, paired_difference, tokens_to_target
+from trace.reporting.report_questions import bootstrap_against, bootstrap_gain
+from trace.reporting.statistics import mean_interval, paired_difference, tokens_to_target
 from trace.tracking.names import GREEDY_ACCURACY, SUMMARY_METRIC_NAMES, TRAIN_ACCURACY_PREFIX, metric_key, \
     pass_at_k_name
 from trace.tracking.runs import finished_runs
@@ -160,7 +160,7 @@ def arm_statistics(results: dict, pass_k: int, confidence: float = CONFIDENCE) -
 
     Args:
         results: ``collect_results`` output, with ``"questions"`` per seed where its evaluation kept
-            per-question results (``trace.report_questions.attach_question_results``).
+            per-question results (``trace.reporting.report_questions.attach_question_results``).
         pass_k: ``evaluate.pass_k`` (names the sampled-accuracy columns).
         confidence: interval coverage.
 

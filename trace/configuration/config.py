@@ -2,7 +2,7 @@
 
 Every field has a one-line doc; defaults are the paper's values where it gives them. Unknown keys and
 invalid values fail at load with the key, the value, the rule and how to fix it; a key written twice in a
-params file fails with both line numbers (``trace.params_file.read_params_file``, the one reader of params
+params file fails with both line numbers (``trace.configuration.params_file.read_params_file``, the one reader of params
 YAML). Library functions take their own section (``cfg.allocation``), never the whole tree.
 """
 
@@ -18,9 +18,9 @@ from pydantic import Field, PrivateAttr, ValidationError, field_validator, model
 from trace.allocation.arms import ARMS, get_arm, root_budget_for
 from trace.allocation.registry import get_root_rule
 from trace.allocation.root import check_root_budget_feasible
-from trace.config_tasks import KGQAConfig, SimulatorConfig  # noqa: F401  (re-exported: task.kgqa, task.simulator)
-from trace.config_tasks import Section as _Section
-from trace.config_update import LoraConfig, UpdateConfig  # noqa: F401  (re-exported: update, update.lora)
+from trace.configuration.config_tasks import KGQAConfig, SimulatorConfig  # noqa: F401  (re-exported: task.kgqa, task.simulator)
+from trace.configuration.config_tasks import Section as _Section
+from trace.configuration.config_update import LoraConfig, UpdateConfig  # noqa: F401  (re-exported: update, update.lora)
 from trace.errors import UserError
 from trace.tasks import enum_members
 
@@ -365,7 +365,7 @@ def _format_errors(err: ValidationError, source: str) -> str:
         value = e.get("input")
         if e["type"] == "extra_forbidden":
             lines.append(f"  - {key}: unknown key (value {value!r}); remove it or fix its spelling "
-                         "(see trace/config.py for the valid keys)")
+                         "(see trace/configuration/config.py for the valid keys)")
         elif e["type"] == "value_error" and isinstance(value, dict):
             # a check across a section's keys: its message names the keys, values and fix; the section's
             # whole mapping would only bury it

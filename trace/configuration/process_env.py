@@ -7,7 +7,7 @@ imports torch); a stage started by hand keeps the machine's default. Every value
 already set is never replaced.
 
 Standard library only, so the Makefile can read the table with the system Python before the virtual
-environment exists: ``python -m trace.process_env --make`` prints one ``NAME?=value`` word per variable.
+environment exists: ``python -m trace.configuration.process_env --make`` prints one ``NAME?=value`` word per variable.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 PROCESS_ENV: dict[str, str] = {
     "DS_ACCELERATOR": "cpu",  # "cuda" where a GPU is visible: see select_accelerator
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     """``--make``: print the launcher's assignments (``PROCESS_ENV`` and ``LAUNCHER_ENV``), one per line."""
     args = sys.argv[1:] if argv is None else argv
     if args != ["--make"]:
-        print("usage: python -m trace.process_env --make", file=sys.stderr)
+        print("usage: python -m trace.configuration.process_env --make", file=sys.stderr)
         return 2
     print("\n".join(make_assignments({**PROCESS_ENV, **LAUNCHER_ENV})))
     return 0

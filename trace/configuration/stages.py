@@ -57,7 +57,7 @@ def stage_params(cfg, stage: str) -> dict:
     """The values of the params ``stage`` reads (``STAGE_PARAMS``), nested like ``params.yaml``.
 
     Args:
-        cfg: ``trace.config.Config``.
+        cfg: ``trace.configuration.config.Config``.
         stage: a DVC stage name without the ``@item`` suffix (``"train"``, not ``"train@trace"``).
 
     Returns:
@@ -136,7 +136,7 @@ def dvc_stage_params(dvc_yaml: str | Path) -> dict[str, list[str]]:
             for file, file_keys in dict(entry).items():
                 if file != "params.yaml":
                     raise ValueError(f"{dvc_yaml}: stage {name} reads params from {file}; only params.yaml "
-                                     "is checked against trace.stages.STAGE_PARAMS")
+                                     "is checked against trace.configuration.stages.STAGE_PARAMS")
                 keys.extend(file_keys or [""])
         out[name] = keys
     return out
@@ -262,9 +262,9 @@ _WHOLE_SECTION_METHODS = frozenset({"model_dump", "model_dump_json", "dict", "js
 
 @contextlib.contextmanager
 def record_param_reads() -> Iterator[ParamReads]:
-    """Record every param read from a ``trace.config.Config`` (and its sections) loaded inside the block.
+    """Record every param read from a ``trace.configuration.config.Config`` (and its sections) loaded inside the block.
 
-    Configs made by ``trace.config.config_from_dict`` (so also ``load_config``) while recording are watched;
+    Configs made by ``trace.configuration.config.config_from_dict`` (so also ``load_config``) while recording are watched;
     the checks that run while a config is validated are not reads of a stage. A read is a field access
     reached from a watched config: ``cfg.update.zero_stage`` records
     ``"update.zero_stage"``; ``model_dump`` on a section records the whole section; ``model_copy(update=...)``
@@ -275,8 +275,8 @@ def record_param_reads() -> Iterator[ParamReads]:
     Yields:
         ``ParamReads``: use ``with reads.stage(name): ...`` to attribute reads to a stage.
     """
-    import trace.config as config_module
-    from trace.config import _Section
+    import trace.configuration.config as config_module
+    from trace.configuration.config import _Section
 
     reads = ParamReads()
     # id -> (object kept alive so its id is not reused, dotted path, fields not taken from params)

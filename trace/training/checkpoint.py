@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from trace.errors import UserError
-from trace.parallel import barrier, broadcast_object, is_main_process, world_size
+from trace.training.parallel import barrier, broadcast_object, is_main_process, world_size
 from trace.tree_io import atomic_write_bytes
 
 CHECKPOINT_DIR = "checkpoint"

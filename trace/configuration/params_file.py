@@ -1,7 +1,7 @@
 """Reading params files: strict YAML (a key written twice is an error with both line numbers) -> ``Config``.
 
 ``read_params_file`` is the one reader of params YAML; ``load_config`` reads a file, applies dotted
-overrides and validates the mapping with ``trace.config.config_from_dict``. Every problem raises
+overrides and validates the mapping with ``trace.configuration.config.config_from_dict``. Every problem raises
 ``ConfigError`` naming the file, the key and the fix.
 """
 
@@ -12,8 +12,8 @@ from typing import Any
 
 import yaml
 
-from trace import config
-from trace.config import Config, ConfigError
+from trace.configuration import config
+from trace.configuration.config import Config, ConfigError
 
 
 _YAML_MERGE_TAG = "tag:yaml.org,2002:merge"
@@ -143,5 +143,5 @@ def load_config(path: str | Path = "params.yaml", overrides: dict | None = None)
     data = read_params_file(path)
     for key, value in (overrides or {}).items():
         set_dotted(data, key, value, source=str(path))
-    # looked up on the module at call time, so that trace.stages.record_param_reads sees the configs made here
+    # looked up on the module at call time, so that trace.configuration.stages.record_param_reads sees the configs made here
     return config.config_from_dict(data, str(path))

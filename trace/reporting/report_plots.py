@@ -2,7 +2,7 @@
 
 Per-step metrics are plotted against the training step; held-out accuracy against cumulative generated
 tokens and against cumulative trajectories, each seed's curve linearly interpolated onto a grid all seeds
-cover (``trace.statistics.common_grid``, ``curve_band``). With one seed a curve has no band. ``audit.png``
+cover (``trace.reporting.statistics.common_grid``, ``curve_band``). With one seed a curve has no band. ``audit.png``
 (forecast against realised mixed groups and flips per arm) is drawn only when some train run logged the
 allocation audit's keys, and removed otherwise so that no stale audit is left beside the report.
 """
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from trace.report import AUDIT_KEYS, CONFIDENCE, accuracy_curve, arm_statistics
-from trace.statistics import common_grid, curve_band
+from trace.reporting.report import AUDIT_KEYS, CONFIDENCE, accuracy_curve, arm_statistics
+from trace.reporting.statistics import common_grid, curve_band
 
 # plot file -> (step metric, y label, x metric or None for the training step)
 PLOTS: dict[str, tuple[str, str, str | None]] = {
@@ -51,8 +51,8 @@ def plot_band(results: dict, key: str, ylabel: str, path: str | Path, x_key: str
     """One PNG of ``key`` per arm: the mean over seeds and its band, against the step or step metric ``x_key``.
 
     Args:
-        results: ``trace.report.collect_results`` output (``{arm: {seed: run}}``).
-        key: the plotted step metric (one of ``trace.report.STEP_KEYS``).
+        results: ``trace.reporting.report.collect_results`` output (``{arm: {seed: run}}``).
+        key: the plotted step metric (one of ``trace.reporting.report.STEP_KEYS``).
         ylabel: the y-axis label.
         path: the PNG written (110 dpi).
         x_key: the x-axis step metric, or None for the training step.
@@ -93,7 +93,7 @@ def plot_audit(results: dict, path: str | Path, pass_k: int = 1) -> bool:
     then over seeds, with the seeds' t-interval as error bars).
 
     Args:
-        results: ``trace.report.collect_results`` output.
+        results: ``trace.reporting.report.collect_results`` output.
         path: the PNG written.
         pass_k: ``evaluate.pass_k`` (passed through to ``arm_statistics``).
 

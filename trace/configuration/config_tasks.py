@@ -1,6 +1,6 @@
 """The embedded tasks' generation parameters: ``task.kgqa`` and ``task.simulator`` of ``params.yaml``.
 
-Part of the typed configuration (``trace.config`` re-exports both sections); split out so each file stays
+Part of the typed configuration (``trace.configuration.config`` re-exports both sections); split out so each file stays
 one screen of concerns. Every field has a one-line doc.
 """
 

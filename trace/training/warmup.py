@@ -12,11 +12,11 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from trace.config import Config
+from trace.configuration.config import Config
 from trace.envs.base import Prompt
-from trace.evaluation import MetricsFn, sampled_success
+from trace.training.evaluation import MetricsFn, sampled_success
 from trace.rollout import trajectory_from_actions
-from trace.seeding import step_rng, step_seed
+from trace.training.seeding import step_rng, step_seed
 from trace.tree import RolloutTree
 
 

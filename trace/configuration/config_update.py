@@ -1,6 +1,6 @@
 """The ``update`` params section: the DeepSpeed policy update and its optional LoRA adapters.
 
-Re-exported by ``trace.config`` (``from trace.config import UpdateConfig``), like every other section.
+Re-exported by ``trace.configuration.config`` (``from trace.configuration.config import UpdateConfig``), like every other section.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any, Union
 
 from pydantic import Field, field_validator
 
-from trace.config_tasks import Section
+from trace.configuration.config_tasks import Section
 
 # every linear projection of a Llama/Qwen/SmolLM decoder layer (attention and MLP); not embeddings or lm_head
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -14,7 +14,7 @@ checkpoint and ends with the same trees, metrics and weights as an uninterrupted
 
 Data parallel (under ``torchrun`` or ``deepspeed``, the ``launch`` params): every rank computes the same
 prompts, scores and allocation; each samples and trains on its own whole trees and receives the others'
-(``trace.parallel.DataParallelSampler``), so every rank refits the same predictor on the same window (checked
+(``trace.training.parallel.DataParallelSampler``), so every rank refits the same predictor on the same window (checked
 every step); rank 0 alone writes the trees and the checkpoint's predictor and state files, and runs the
 in-training evaluation. DeepSpeed writes its checkpoint shards from every rank. With several nodes the run
 folder must be on a file system every node sees.
@@ -31,15 +31,15 @@ import numpy as np
 from trace.allocation.arms import get_arm
 from trace.allocation.samplers import PolicySampler
 from trace.allocation.step import allocate_step
-from trace.audit import audit_metrics
-from trace.checkpoint import load_checkpoint, write_checkpoint
-from trace.config import Config
+from trace.reporting.audit import audit_metrics
+from trace.training.checkpoint import load_checkpoint, write_checkpoint
+from trace.configuration.config import Config
 from trace.envs.base import Environment, Prompt
-from trace.evaluation import MetricsFn, evaluate_policy
-from trace.parallel import DataParallelSampler, all_gather_objects, barrier, is_main_process, rank, world_size
+from trace.training.evaluation import MetricsFn, evaluate_policy
+from trace.training.parallel import DataParallelSampler, all_gather_objects, barrier, is_main_process, rank, world_size
 from trace.sampling import make_rollout_backend, sampling_spec
 from trace.policy.lora import apply_lora
-from trace.seeding import candidate_indices, step_rng, step_seed
+from trace.training.seeding import candidate_indices, step_rng, step_seed
 from trace.tree import RolloutTree
 from trace.tree_io import read_trees, tree_path, write_trees
 
@@ -87,7 +87,7 @@ class Trainer:
                              "and ranks sample different trees; use rollout.backend=vllm or zero_stage <= 2")
         if (cfg.update.zero_stage == 3 or cfg.update.lora.enabled) and hasattr(self.backend, "weights_fn"):
             self.backend.weights_fn = self.updater.serving_state_dict  # gathered full weights, adapters merged
-        self.tokens_per_trajectory: dict[str, float] = {}  # stage-1 split costs (trace.parallel)
+        self.tokens_per_trajectory: dict[str, float] = {}  # stage-1 split costs (trace.training.parallel)
         self.estimator = (cfg.advantages.estimator.value if cfg.advantages.estimator is not None
                           else self.spec.estimator)
         self.cumulative_tokens = 0.0
@@ -103,7 +103,7 @@ class Trainer:
         return self.run_dir / "trees"
 
     def save_checkpoint(self, step_done: int) -> None:
-        """Checkpoint after ``step_done`` steps: DeepSpeed state, predictor, counters (``trace.checkpoint``)."""
+        """Checkpoint after ``step_done`` steps: DeepSpeed state, predictor, counters (``trace.training.checkpoint``)."""
         write_checkpoint(self.run_dir, step_done, updater=self.updater, predictor=self.predictor,
                          params_hash=self.cfg.resume_hash(), ablation=self.ablation,
                          cumulative_tokens=self.cumulative_tokens,

@@ -1,11 +1,11 @@
-"""``reports/metrics.json``: the report's statistics as strict JSON (``trace.report.arm_statistics``)."""
+"""``reports/metrics.json``: the report's statistics as strict JSON (``trace.reporting.report.arm_statistics``)."""
 
 from __future__ import annotations
 
 import math
 
-from trace.report import CONFIDENCE, arm_statistics
-from trace.statistics import Interval
+from trace.reporting.report import CONFIDENCE, arm_statistics
+from trace.reporting.statistics import Interval
 
 
 def _json_interval(iv: Interval | None) -> dict | None:

@@ -1,7 +1,7 @@
 """Statistics over training seeds: means with t-intervals, paired differences, a paired bootstrap over
 held-out questions and seeds, sample-efficiency curves.
 
-Pure functions of numbers (numpy and ``scipy.stats.t``); the report (``trace.report``) calls them on the
+Pure functions of numbers (numpy and ``scipy.stats.t``); the report (``trace.reporting.report``) calls them on the
 per-(arm, seed) results read back from MLflow and the per-question results of the evaluations.
 Conventions (docs/method.md, "Statistics over seeds"):
 

@@ -2,9 +2,9 @@
 runs, and the paired bootstrap intervals over questions and seeds built from them.
 
 Every policy (the warmup and each arm at each training seed) answers the same held-out questions, and its
-evaluation output keeps each question's greedy reward by ``prompt_uid`` (``trace.evaluation.QUESTIONS_KEY``:
+evaluation output keeps each question's greedy reward by ``prompt_uid`` (``trace.training.evaluation.QUESTIONS_KEY``:
 ``data/eval/<ablation>/s<seed>.json`` and ``data/eval/warmup.json``). The report pairs them question by
-question (``trace.statistics.paired_bootstrap``), so a difference carries the evaluations' own sampling error.
+question (``trace.reporting.statistics.paired_bootstrap``), so a difference carries the evaluations' own sampling error.
 
 Invariant: a result's per-question rewards average exactly to the greedy accuracy its MLflow evaluate run (or
 ``metrics/warmup.json``) logged, and all of them hold the same questions; a file that disagrees is an error,
@@ -21,7 +21,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from trace.statistics import Interval, paired_bootstrap
+from trace.reporting.statistics import Interval, paired_bootstrap
 from trace.tracking.names import GREEDY_ACCURACY, QUESTIONS_KEY
 
 _TOLERANCE = 1e-9  # per-question mean against the logged accuracy: the same floats, summed in another order
@@ -68,7 +68,7 @@ def attach_question_results(results: dict, path_of: Callable[[str, int], Path],
     """Per-question results of every evaluated (arm, seed) of ``results`` and of the warmup policy.
 
     Args:
-        results: ``trace.report.collect_results`` output (each evaluated seed's MLflow ``eval`` metrics).
+        results: ``trace.reporting.report.collect_results`` output (each evaluated seed's MLflow ``eval`` metrics).
         path_of: ``(ablation, seed) -> path`` of that evaluation's output (``flows.common.eval_path``).
         warmup_path: the warmup policy's held-out evaluation output, or None.
         warmup: the warmup stage's metrics (its ``accuracy/greedy`` is checked against ``warmup_path``).
