@@ -1,7 +1,8 @@
 # Two commands do all set-up on a fresh machine:
 #   make run    create .venv, then run the whole pipeline (dvc repro) on the embedded default task
 #   make test   create .venv, then run the test suite
-#   make run-grid  the same pipeline over every arm (the full grid) as a DVC experiment
+#   make run-grid  the same pipeline over every arm (the full grid) as a DVC experiment; with POOL=<work pool>,
+#                  one job per arm and seed on that pool's Prefect workers (flows.grid, docs/scale.md)
 #   make run-long  the default arms and seeds for LONG_STEPS RL steps, as a DVC experiment
 PYTHON ?= python3.11
 VENV := .venv
@@ -48,9 +49,13 @@ endef
 
 # The full grid: every registered arm (trace.allocation.arms.ARMS) x train.seeds, as an experiment of
 # params.yaml (dvc exp run -S train.ablations=[...]); the shared stages come from the cache when unchanged.
+# POOL=<work pool>: the same grid, one Prefect flow run per arm and seed on that pool's workers, against the
+# Prefect server of PREFECT_API_URL (python -m flows.grid run; it checks the pool, DVC remote and MLflow first).
 run-grid: venv
 	@arms=$$($(BIN)/python -c "from trace.allocation.arms import ARMS; print(','.join(ARMS))") && \
-	  set -- -S "train.ablations=[$$arms]" && $(dvc_experiment)
+	  set -- -S "train.ablations=[$$arms]" && \
+	  if [ -n "$(POOL)" ]; then PATH=$(CURDIR)/$(BIN):$$PATH exec $(BIN)/python -m flows.grid run --pool "$(POOL)" "$$@"; fi; \
+	  $(dvc_experiment)
 
 # The learning run: the default arms x train.seeds for LONG_STEPS steps instead of train.num_steps, with an
 # in-training evaluation every 25 steps; the shared stages (warmup included) come from the cache when unchanged.
