@@ -21,13 +21,16 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CHECKED_TEXT = "params.yaml passed trace.configuration.config validation\n"
 
-UNDO_HINT = ("Fix the value in params.yaml (or in the -S option) and run again. A failed `dvc exp run -S ...` "
+UNDO_HINT = ("Fix the value in {name} (or in the -S option) and run again. A failed `dvc exp run -S ...` "
              "leaves its values in params.yaml: `git diff params.yaml` shows them, `git checkout params.yaml` "
              "restores the committed file.")
 
 
 def parse_overrides(items: list[str]) -> dict:
     """``["train.num_steps=100", ...]`` -> ``{"train.num_steps": 100}``, values read as YAML (as ``dvc exp run -S``).
+
+    A leading ``+`` or ``++`` (``dvc exp run -S +task.files.train_path=...``: Hydra's "add a key the file lacks")
+    is dropped: the check validates the resulting params whether or not the file had the key.
 
     Raises:
         ConfigError: an item without ``=``, or a value that is not valid YAML (the message shows the item and
@@ -40,10 +43,12 @@ def parse_overrides(items: list[str]) -> dict:
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
+        key = key.strip()
+        key = key[2:] if key.startswith("++") else key.removeprefix("+")
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r} must be KEY=VALUE, e.g. train.num_steps=100")
         try:
-            out[key.strip()] = yaml.safe_load(value)
+            out[key] = yaml.safe_load(value)
         except yaml.YAMLError as err:
             problem = str(getattr(err, "problem", None) or err).strip()
             raise ConfigError(f"override {item!r}: the value {value!r} is not valid YAML ({problem}); write it as "
@@ -69,7 +74,9 @@ def check_params(path: str | Path, overrides: dict | None = None, undo_hint: boo
     try:
         cfg = load_config(path, overrides=overrides)
     except ConfigError as err:
-        return f"{err}\n{UNDO_HINT}" if undo_hint else f"{err}\nFix the value and run again; params.yaml is unchanged."
+        if undo_hint:
+            return f"{err}\n{UNDO_HINT.format(name=Path(path).name)}"
+        return f"{err}\nFix the value and run again; {Path(path).name} is unchanged."
     dvc_yaml = Path(path).resolve().parent / "dvc.yaml"
     if Path(path).name == "params.yaml" and dvc_yaml.is_file():
         return _missing_dvc_params(Path(path), dvc_yaml, cfg, overrides or {})

@@ -75,3 +75,19 @@ def test_the_pipeline_command_refuses_a_bad_override_before_dvc_touches_params_y
     assert out.returncode == 1
     assert "allocation.trajectory_budget = -5" in out.stderr and "Traceback" not in out.stderr
     assert (ROOT / "params.yaml").read_bytes() == before
+
+
+def test_an_added_key_override_is_checked_as_dvc_exp_run_applies_it():
+    """`dvc exp run -S +key=value` adds a key the file lacks; the check reads the same override without the `+`."""
+    assert parse_overrides(["+task.files.train_path=a.jsonl", "++train.num_steps=4", "seed=1"]) == {
+        "task.files.train_path": "a.jsonl", "train.num_steps": 4, "seed": 1}
+    preset = ROOT / "params" / "hotpotqa.yaml"
+    assert check_params(preset, parse_overrides(["+task.files.train_path=hotpotqa/x.jsonl"])) is None
+    out = subprocess.run([sys.executable, "-m", "flows.check_params", "--params", str(preset), "-S",
+                          "+rollout.top_p=0.9"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_a_bad_value_in_another_params_file_is_reported_against_that_file():
+    problem = check_params(ROOT / "params" / "hotpotqa.yaml", parse_overrides(["allocation.trajectory_budget=-5"]))
+    assert "Fix the value in hotpotqa.yaml" in problem and "in params.yaml (or" not in problem
