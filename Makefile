@@ -62,8 +62,9 @@ run-grid: venv
 run-long: venv
 	@set -- -S train.num_steps=$(LONG_STEPS) -S train.eval_every=25 -S train.checkpoint_every=25 && $(dvc_experiment)
 
+# --durations: the slowest tests, printed at the end (where the suite's time goes)
 test: venv
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests --durations=25
 
 # MLflow UI on 127.0.0.1 only.
 ui: venv

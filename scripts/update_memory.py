@@ -7,7 +7,7 @@ of 1, 3/4, 5/12 and 1/6 of ``--tokens`` (1,200 / 900 / 500 / 200 at the default:
 size (``ru_maxrss``) is that setting's alone. Eager attention keeps a (rows, heads, T, T) softmax per layer for
 the backward; checkpointing recomputes each layer's activations in the backward instead, so they are not held.
 
-Usage:  python -m scripts.update_memory [--params params/hotpotqa.yaml] [--tokens 1200] [--threads 2]
+Usage:  python -m scripts.update_memory [--params params/hotpotqa.yaml] [--tokens 1200] [--threads 2] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -18,8 +18,12 @@ import subprocess
 import sys
 
 
-def measure(params: str, tokens: int, checkpointing: bool, threads: int) -> dict:
-    """Run one micro-batch in this process; returns the loss, seconds and peak resident GB."""
+def measure(params: str, tokens: int, checkpointing: bool, threads: int, dtype: str | None = None) -> dict:
+    """Run one micro-batch in this process; returns the loss, seconds and peak resident GB.
+
+    ``dtype``: "bfloat16" or "float32" for the weights; None takes the preset's (bfloat16 when ``update.bf16``).
+    A CPU without native bf16 matrix products (no AVX512-BF16 or AMX) runs bfloat16 several times slower.
+    """
     import resource
     import time
 
@@ -36,7 +40,8 @@ def measure(params: str, tokens: int, checkpointing: bool, threads: int) -> dict
     torch.set_num_threads(threads)
     cfg = load_config(params)
     policy = load_pretrained_policy(cfg.policy)
-    policy.model.to(torch.bfloat16)
+    dtype = dtype or ("bfloat16" if cfg.update.bf16 else "float32")
+    policy.model.to(getattr(torch, dtype))
     apply_lora(policy, cfg.update.lora, cfg.seed)
     model = policy.model
     if checkpointing:
@@ -54,7 +59,7 @@ def measure(params: str, tokens: int, checkpointing: bool, threads: int) -> dict
     logprobs = token_logprobs(logits, input_ids)
     loss, _ = clipped_surrogate_loss(logprobs, logprobs.detach(), torch.ones_like(mask), mask)
     loss.backward()
-    return {"tokens": lengths, "gradient_checkpointing": checkpointing, "threads": threads,
+    return {"tokens": lengths, "gradient_checkpointing": checkpointing, "threads": threads, "dtype": dtype,
             "loss": float(loss), "seconds": time.perf_counter() - started, "rss_before_gb": before,
             "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6}
 
@@ -64,14 +69,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--params", default="params/hotpotqa.yaml")
     parser.add_argument("--tokens", type=int, default=1200, help="length of the longest row")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"],
+                        help="weights' dtype (default: the preset's, bfloat16 when update.bf16)")
     parser.add_argument("--one", choices=["on", "off"], help=argparse.SUPPRESS)  # a child process: one setting
     args = parser.parse_args(argv)
     if args.one:
-        print(json.dumps(measure(args.params, args.tokens, args.one == "on", args.threads)))
+        print(json.dumps(measure(args.params, args.tokens, args.one == "on", args.threads, args.dtype)))
         return
     for setting in ("on", "off"):
         child = subprocess.run([sys.executable, "-m", "scripts.update_memory", "--params", args.params, "--tokens",
-                                str(args.tokens), "--threads", str(args.threads), "--one", setting],
+                                str(args.tokens), "--threads", str(args.threads), "--one", setting,
+                                *(["--dtype", args.dtype] if args.dtype else [])],
                                capture_output=True, text=True)
         if child.returncode != 0:
             print(json.dumps({"gradient_checkpointing": setting == "on", "returncode": child.returncode,
