@@ -6,6 +6,7 @@ server on PostgreSQL (a private cluster; skipped, with how to install it, where 
 missing), and compare the grid with `dvc exp run` in one folder.
 """
 
+import contextlib
 import hashlib
 import json
 import os
@@ -56,6 +57,15 @@ def test_every_train_and_evaluate_stage_can_be_restored_from_the_run_cache():
         for stage in stages:
             blocking = [str(out) for out in stage.outs if not out.use_cache and not (out.is_metric or out.is_plot)]
             assert not blocking, f"{stage.addressing}: uncached outputs {blocking} keep it out of the run-cache"
+
+
+def test_the_costs_in_docs_scale_are_those_of_the_committed_benchmark_report():
+    from benchmarks.grid import DOCS_MARKER, docs_table
+
+    report = json.loads((ROOT / "reports" / "benchmarks" / "grid.json").read_text())
+    text = (ROOT / "docs" / "scale.md").read_text()
+    block = text.split(f"<!-- {DOCS_MARKER} -->\n", 1)[1].split(f"\n<!-- /{DOCS_MARKER} -->", 1)[0]
+    assert block == docs_table(report), "run `python -m benchmarks.grid` (it rewrites the table) and commit both"
 
 
 def test_the_grid_is_every_arm_at_every_training_seed_each_job_two_stages():
@@ -274,6 +284,24 @@ class Cluster:
             [sys.executable, "-m", "flows.grid", "worker", "--pool", POOL, "--name", f"worker-{name}"], cwd=checkout,
             env=self.env(checkout, **WORKER_ENV), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
+    def wait_online(self, name: str, seconds: float = 300) -> None:
+        """Wait until worker ``name`` is online in the pool (its first start creates the pool)."""
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.objects import WorkerStatus
+        from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        deadline = time.monotonic() + seconds
+        with temporary_settings(updates={PREFECT_API_URL: self.prefect_api}), get_client(sync_client=True) as client:
+            while time.monotonic() < deadline:
+                # before its first worker starts, the pool does not exist (a 404)
+                with contextlib.suppress(ObjectNotFound, PrefectHTTPStatusError):
+                    if any(w.name == f"worker-{name}" and w.status == WorkerStatus.ONLINE
+                           for w in client.read_workers_for_work_pool(POOL)):
+                        return
+                time.sleep(2)
+        raise AssertionError(f"worker-{name} is not online after {seconds} s:\n{self.worker_log(name)[-3000:]}")
+
     def kill_worker(self, name: str) -> int:
         """SIGKILL the worker and every process under it (its job, DVC, the stage); returns how many."""
         import psutil
@@ -351,6 +379,8 @@ def cluster(postgres, tmp_path_factory):
         cluster.start_worker("a")
         cluster.start_worker("b")
         _wait_http(f"{cluster.mlflow_url}/health", 600, mlflow, mlflow_log)
+        cluster.wait_online("a")
+        cluster.wait_online("b")
         yield cluster
     finally:
         for name, proc in list(cluster.workers.items()):
@@ -568,6 +598,7 @@ def test_a_job_with_a_bad_param_fails_once_the_others_land_and_a_rerun_runs_only
     dapo-0 fails on its worker, once, and grpo-0 lands; the same command again submits dapo-0 alone."""
     if cluster.workers["a"].poll() is not None:
         cluster.start_worker("a")  # the machine is back
+        cluster.wait_online("a")
     subprocess.run(["git", "checkout", "-q", "params.yaml"], cwd=cluster.c, check=True)
     bad = ["train.seeds=[0]", "train.ablations=[grpo,dapo]", "allocation.group_size=32"]
     proc = cluster.grid(*bad, log="bad")
