@@ -57,7 +57,12 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _wait_http(url: str, seconds: float) -> None:
+def wait_http(url: str, seconds: float, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
+    """Wait until ``url`` answers 200; stop early when ``proc`` (the server) exits.
+
+    Raises:
+        RuntimeError: no answer within ``seconds``; the message ends with the tail of ``log``.
+    """
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
@@ -65,8 +70,39 @@ def _wait_http(url: str, seconds: float) -> None:
                 if resp.status == 200:
                     return
         except OSError:
-            time.sleep(1)
-    raise RuntimeError(f"{url} did not answer within {seconds} s")
+            pass
+        if proc is not None and proc.poll() is not None:
+            break
+        time.sleep(1)
+    tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
+    raise RuntimeError(f"{url} did not answer within {seconds} s\n{tail}")
+
+
+def postgres_bindir() -> Path | None:
+    """The folder of PostgreSQL's initdb, pg_ctl and createdb (Debian keeps them in /usr/lib/postgresql/<v>/bin,
+    newest version first); None where they are missing."""
+    found = shutil.which("initdb")
+    candidates = [Path(found).resolve().parent] if found else []
+    candidates += sorted((p.parent for p in Path("/usr/lib/postgresql").glob("*/bin/initdb")),
+                         key=lambda p: int(p.parts[-2]) if p.parts[-2].isdigit() else 0, reverse=True)
+    return next((c for c in candidates if all((c / name).exists() for name in ("initdb", "pg_ctl", "createdb"))),
+                None)
+
+
+def wait_online(prefect_api: str, pool: str, name: str, seconds: float = 300) -> bool:
+    """Wait until worker ``name`` of ``pool`` is online (``flows.grid.online_workers``); False after ``seconds``."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.grid import online_workers
+
+    deadline = time.monotonic() + seconds
+    with temporary_settings(updates={PREFECT_API_URL: prefect_api}), get_client(sync_client=True) as client:
+        while time.monotonic() < deadline:
+            if name in (online_workers(client, pool) or []):
+                return True
+            time.sleep(2)
+    return False
 
 
 def _env(checkout: Path, prefect_api: str, mlflow_url: str, **extra: str) -> dict[str, str]:
@@ -83,10 +119,7 @@ def _env(checkout: Path, prefect_api: str, mlflow_url: str, **extra: str) -> dic
 
 def _postgres(folder: Path) -> tuple[str, list[str]] | None:
     """Start a private PostgreSQL cluster; returns (backend URI, stop command), or None without its binaries."""
-    found = shutil.which("initdb")
-    candidates = [Path(found).resolve().parent] if found else []
-    candidates += sorted((p.parent for p in Path("/usr/lib/postgresql").glob("*/bin/initdb")), reverse=True)
-    bindir = next((c for c in candidates if all((c / n).exists() for n in ("initdb", "pg_ctl", "createdb"))), None)
+    bindir = postgres_bindir()
     if bindir is None:
         return None
     folder.mkdir(parents=True)
@@ -152,27 +185,6 @@ def _first_task_delay(prefect_api: str, record: dict) -> list[float]:
             if run.start_time and starts:
                 out.append((min(starts) - run.start_time).total_seconds())
     return out
-
-
-def _wait_worker(prefect_api: str, name: str, seconds: float = 300) -> None:
-    """Wait until worker ``name`` of the pool is online (it creates the pool on its start)."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.objects import WorkerStatus
-    from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    deadline = time.monotonic() + seconds
-    with temporary_settings(updates={PREFECT_API_URL: prefect_api}), get_client(sync_client=True) as client:
-        while time.monotonic() < deadline:
-            try:
-                if any(w.name == name and w.status == WorkerStatus.ONLINE
-                       for w in client.read_workers_for_work_pool(POOL)):
-                    return
-            except (ObjectNotFound, PrefectHTTPStatusError) as err:  # 404: the worker has not created the pool yet
-                if getattr(getattr(err, "response", None), "status_code", 404) != 404:
-                    raise
-            time.sleep(2)
-    raise RuntimeError(f"worker {name} did not come online within {seconds} s")
 
 
 def _pickup_seconds(phases: list[dict], workers: int) -> list[float]:
@@ -293,7 +305,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 stderr=subprocess.STDOUT, start_new_session=True))
             subprocess.run([sys.executable, "-m", "flows.server", "ensure", "--port", str(prefect_port)],
                            cwd=coordinator, env=env, check=True, capture_output=True, timeout=300)
-            _wait_http(f"{mlflow_url}/health", 600)
+            wait_http(f"{mlflow_url}/health", 600)
 
             def start_worker(name: str) -> None:
                 checkout = base / name
@@ -301,7 +313,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     [sys.executable, "-m", "flows.grid", "worker", "--pool", POOL, "--name", f"worker-{name}"],
                     cwd=checkout, env=_env(checkout, prefect_api, mlflow_url, **WORKER_ENV),
                     stdout=open(base / f"worker-{name}.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
-                _wait_worker(prefect_api, f"worker-{name}")
+                if not wait_online(prefect_api, POOL, f"worker-{name}"):
+                    raise RuntimeError(f"worker-{name} did not come online within 300 s")
 
             grids = {}
             start_worker("a")

@@ -290,6 +290,19 @@ def ensure_deployment(client, pool: str):
         description="One (arm, seed) of the TRACE grid: train@ and evaluate@ in the worker's checkout (flows/grid.py)")
 
 
+def online_workers(client, pool: str) -> list[str] | None:
+    """Names of the online workers of work pool ``pool``; None while the pool does not exist (a worker's first
+    start creates it). ``client``: a Prefect client (``get_client(sync_client=True)``)."""
+    from prefect.client.schemas.objects import WorkerStatus
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        client.read_work_pool(pool)
+    except ObjectNotFound:
+        return None
+    return [w.name for w in client.read_workers_for_work_pool(pool) if w.status == WorkerStatus.ONLINE]
+
+
 def check_pool(client, pool: str, queue: str, wait_s: float = 30.0) -> list[str]:
     """Names of the pool's online workers, once one of them polls ``queue`` (created here if missing: a worker
     started with ``--work-queue`` polls it from its next query on, within ``wait_s``).
@@ -297,15 +310,12 @@ def check_pool(client, pool: str, queue: str, wait_s: float = 30.0) -> list[str]
     Raises:
         GridError: the pool does not exist, has no online worker, or none polls ``queue``.
     """
-    from prefect.client.schemas.objects import WorkerStatus
     from prefect.exceptions import ObjectNotFound
 
     start = f"start one per GPU in each checkout: `CUDA_VISIBLE_DEVICES=0 python -m flows.grid worker --pool {pool}`"
-    try:
-        client.read_work_pool(pool)
-    except ObjectNotFound:
-        raise GridError(f"work pool {pool!r} does not exist, so no worker serves it: {start} (docs/scale.md)") from None
-    online = [w.name for w in client.read_workers_for_work_pool(pool) if w.status == WorkerStatus.ONLINE]
+    online = online_workers(client, pool)
+    if online is None:
+        raise GridError(f"work pool {pool!r} does not exist, so no worker serves it: {start} (docs/scale.md)")
     if not online:
         raise GridError(f"work pool {pool!r} has no online worker: {start}")
     deadline = time.monotonic() + wait_s

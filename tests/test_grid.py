@@ -6,7 +6,6 @@ server on PostgreSQL (a private cluster; skipped, with how to install it, where 
 missing), and compare the grid with `dvc exp run` in one folder.
 """
 
-import contextlib
 import hashlib
 import json
 import os
@@ -17,12 +16,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
+from benchmarks.grid import postgres_bindir, wait_http, wait_online
 from flows.grid import grid_jobs, prepare_checkout, queue_name, tracking_uri, worker_command
 from flows.grid_dvc import GridError, check_remote, failure_line, grid_params, uncommitted_code
 from flows.train import checkpoint_dir
@@ -200,39 +199,13 @@ WORKER_ENV = {"PREFECT_WORKER_HEARTBEAT_SECONDS": "10", "PREFECT_WORKER_QUERY_SE
               "PREFECT_LOGGING_LEVEL": "INFO"}
 
 
-def _postgres_bindir() -> Path | None:
-    """The folder of PostgreSQL's initdb, pg_ctl and createdb (Debian keeps them in /usr/lib/postgresql/<v>/bin)."""
-    found = shutil.which("initdb")
-    candidates = [Path(found).resolve().parent] if found else []
-    candidates += sorted((p.parent for p in Path("/usr/lib/postgresql").glob("*/bin/initdb")),
-                         key=lambda p: int(p.parts[-2]) if p.parts[-2].isdigit() else 0, reverse=True)
-    return next((c for c in candidates if all((c / name).exists() for name in ("initdb", "pg_ctl", "createdb"))),
-                None)
-
-
-def _wait_http(url: str, seconds: float, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=5) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        if proc is not None and proc.poll() is not None:
-            break
-        time.sleep(1)
-    tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
-    raise AssertionError(f"{url} did not answer within {seconds} s\n{tail}")
-
-
 @pytest.fixture(scope="module")
 def postgres():
     """A private PostgreSQL cluster on 127.0.0.1 (as the `postgres` user when run as root); yields MLflow's
     backend URI for its database `mlflow`, then stops and removes the cluster."""
     from tests.test_pipeline_e2e import _free_port
 
-    bindir = _postgres_bindir()
+    bindir = postgres_bindir()
     if bindir is None:
         pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) not found: install Debian's postgresql package "
                     "(`apt-get update && apt-get install -y postgresql`, as .ci/run does)")
@@ -286,21 +259,8 @@ class Cluster:
 
     def wait_online(self, name: str, seconds: float = 300) -> None:
         """Wait until worker ``name`` is online in the pool (its first start creates the pool)."""
-        from prefect.client.orchestration import get_client
-        from prefect.client.schemas.objects import WorkerStatus
-        from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
-        from prefect.settings import PREFECT_API_URL, temporary_settings
-
-        deadline = time.monotonic() + seconds
-        with temporary_settings(updates={PREFECT_API_URL: self.prefect_api}), get_client(sync_client=True) as client:
-            while time.monotonic() < deadline:
-                # before its first worker starts, the pool does not exist (a 404)
-                with contextlib.suppress(ObjectNotFound, PrefectHTTPStatusError):
-                    if any(w.name == f"worker-{name}" and w.status == WorkerStatus.ONLINE
-                           for w in client.read_workers_for_work_pool(POOL)):
-                        return
-                time.sleep(2)
-        raise AssertionError(f"worker-{name} is not online after {seconds} s:\n{self.worker_log(name)[-3000:]}")
+        if not wait_online(self.prefect_api, POOL, f"worker-{name}", seconds):
+            raise AssertionError(f"worker-{name} is not online after {seconds} s:\n{self.worker_log(name)[-3000:]}")
 
     def kill_worker(self, name: str) -> int:
         """SIGKILL the worker and every process under it (its job, DVC, the stage); returns how many."""
@@ -378,7 +338,7 @@ def cluster(postgres, tmp_path_factory):
     try:
         cluster.start_worker("a")
         cluster.start_worker("b")
-        _wait_http(f"{cluster.mlflow_url}/health", 600, mlflow, mlflow_log)
+        wait_http(f"{cluster.mlflow_url}/health", 600, mlflow, mlflow_log)
         cluster.wait_online("a")
         cluster.wait_online("b")
         yield cluster
