@@ -136,8 +136,7 @@ def grid_params(root: Path, overrides: list[str], commit: str) -> str:
     from flows.check_params import check_params, parse_overrides
 
     path = root / "params.yaml"
-    # hydra's +key=value (add a key params.yaml lacks) sets the key like key=value
-    problem = check_params(path, parse_overrides([item.lstrip("+") for item in overrides]), undo_hint=False)
+    problem = check_params(path, parse_overrides(overrides), undo_hint=False)  # reads +key=value as key=value
     if problem:
         raise GridError(problem)
     committed = git(root, "show", f"{commit}:params.yaml")
