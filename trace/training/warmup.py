@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from trace.configuration.config import Config
 from trace.envs.base import Prompt
@@ -96,7 +96,8 @@ def restore_snapshot(model, snapshot: dict) -> None:
 
 
 def run_warmup(policy, env, train_prompts: Sequence[Prompt], cfg: Config, *,
-               log_metrics: MetricsFn | None = None, progress: bool = True) -> WarmupResult:
+               log_metrics: MetricsFn | None = None, progress: bool = True,
+               on_measure: Callable[[int, float], None] | None = None) -> WarmupResult:
     """Supervised fine-tuning on solver demonstrations, stopped in a band of mixed success.
 
     Every ``warmup.eval_every`` steps the sampled success on ``warmup.eval_prompts`` training prompts is
@@ -114,6 +115,8 @@ def run_warmup(policy, env, train_prompts: Sequence[Prompt], cfg: Config, *,
         cfg: the whole config (``warmup``, ``update``, ``rollout``, ``policy.max_context_tokens``, ``seed``).
         log_metrics: ``fn(metrics, step)`` for ``warmup/sft_loss`` and ``warmup/success``.
         progress: show a tqdm bar.
+        on_measure: ``fn(sft_step, sampled_success)`` after each measurement, while ``policy.model`` holds that
+            step's weights (``scripts.warmup_sweep`` saves checkpoints there).
 
     Returns:
         A ``WarmupResult``; ``reason == "warmup disabled"`` and nothing trained when ``warmup.enabled`` is
@@ -155,6 +158,8 @@ def run_warmup(policy, env, train_prompts: Sequence[Prompt], cfg: Config, *,
         snapshots.append((step, success, trainable_snapshot(policy.model)))
         if log_metrics:
             log_metrics({"warmup/success": success}, step)
+        if on_measure:
+            on_measure(step, success)
         return success
 
     bar = tqdm(total=wcfg.max_steps, desc="warmup SFT", disable=not progress, leave=False)
