@@ -23,7 +23,8 @@ from typing import Sequence
 
 from benchmarks.common import REPO_ROOT, REPORT_DIR
 
-BENCHMARKS = ("solver_speed", "allocation_quality", "rollout_engine", "orchestration", "lora_update", "real_task_step")
+BENCHMARKS = ("solver_speed", "allocation_quality", "rollout_engine", "orchestration", "lora_update", "real_task_step",
+              "step_dtype")
 _ENV_DEFAULTS = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "2", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                  "PREFECT_LOGGING_LEVEL": "WARNING", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
                  "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -94,6 +95,11 @@ def headline_table(reports: dict[str, dict]) -> str:
                          "measured", ""))
         rows.append(("... share of a step outside the model (profiled)", _fmt(step["outside_the_model_share"]), "< 0.1",
                      _fmt(step["targets"]["outside_the_model_under_10pct"])))
+    dtype = reports.get("step_dtype", {}).get("results", {}).get("headline")
+    if dtype:
+        rows.append(("default step, float32 / bf16 seconds (bf16 instructions: "
+                     f"{dtype.get('cpu_bf16', 'n/a')})", _fmt(dtype["float32_over_bfloat16_step"]), ">= 1.5",
+                     _fmt(dtype["targets"]["bfloat16_step_at_least_1.5x_faster"])))
     lines = ["| measure | result | target | |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
     return "\n".join(lines) + "\n"

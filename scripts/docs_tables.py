@@ -414,11 +414,16 @@ def benchmarks_table(ctx: Context) -> str:
                  f"{_num(step['full_bf16_step_seconds'], 1)} / {_num(step['lora_bf16_step_seconds'], 1)}; "
                  f"{_num(100 * step['outside_the_model_share'], 1)} %", "measured; < 10 %",
                  _met(step["targets"]["outside_the_model_under_10pct"])])
+    dtype = ctx.benchmark("step_dtype")["results"]["headline"]
+    rows.append([f"default step, float32 / bf16 seconds (this CPU's native bf16 instructions: {dtype['cpu_bf16']})",
+                 f"{_num(dtype['step_seconds_float32'], 2)} s / {_num(dtype['step_seconds_bfloat16'], 2)} s = "
+                 f"{_num(dtype['float32_over_bfloat16_step'], 2)}", ">= 1.5",
+                 _met(dtype["targets"]["bfloat16_step_at_least_1.5x_faster"])])
     return _table(["measure", "result", "target", ""], rows, ["---", "---:", "---", "---"])
 
 
 BENCHMARK_NAMES = ("allocation_quality", "allocation_objectives", "solver_speed", "rollout_engine", "orchestration",
-                   "lora_update", "real_task_step")
+                   "lora_update", "real_task_step", "step_dtype")
 
 
 def benchmark_runs_table(ctx: Context) -> str:
@@ -461,6 +466,27 @@ def allocation_objectives_table(ctx: Context) -> str:
         rows.append([f"`{arm}`", pred, m_min.split("=")[1], _diff({**iv, "real": iv["low"] > 0 or iv["high"] < 0})])
     return _table(["arm", "predictor", "m_min", "leaves minus groups, effective ratio (95 % t-interval)"], rows,
                   ["---", "---", "---:", "---:"])
+
+
+def step_dtype_table(ctx: Context) -> str:
+    """The default step in float32 and bf16 (medians of its timers), the products under it, a stage's start-up."""
+    res = ctx.benchmark("step_dtype")["results"]
+    summary = res["default_step"]["summary"]
+    parts = (("step", "time/step"), ("rollouts", "time/rollout"), ("expansion", "time/expand"),
+             ("update", "time/update"), ("predictor", "time/predict"))
+    rows = [[label] + [f"{_num(summary[d].get(key), 2)} s" for d in ("float32", "bfloat16")]
+            + [_num(summary["float32_over_bfloat16"].get(key), 2)] for label, key in parts]
+    rate = lambda m, d: _num(m[f"{d}_gflops"], 1)  # noqa: E731
+    rows += [[f"matmul {' x '.join(f'{v:,}' for v in m['shape'])}: GFLOP/s", rate(m, "float32"), rate(m, "bfloat16"),
+              _num(m["ratio"], 3)] for m in res["matmul"]]  # bf16 / float32 GFLOP/s = float32 / bf16 seconds
+    flags = ", ".join(f"`{k}` {'yes' if v else 'no'}" for k, v in res["cpu_bf16_flags"].items())
+    startup = res["startup_seconds"]
+    imports = "; ".join(f"{k.removeprefix('import ')} {_num(v, 1)} s" for k, v in startup.items()
+                        if k.startswith("import ") and k != "import python")
+    return (_table(["default step (median of steps 1..)", "float32", "bf16", "float32 / bf16 seconds"], rows) + "\n\n"
+            f"CPU flags: {flags}. Stage start-up, each in a fresh interpreter (median): {imports}; an MLflow run "
+            f"opened, logged and closed on an existing SQLite store {_num(startup['mlflow run on an existing SQLite store'], 1)} s "
+            f"(on a new one {_num(startup['mlflow run on a new SQLite store'], 1)} s).")
 
 
 def real_task_step_table(ctx: Context) -> str:
@@ -508,6 +534,7 @@ def tables() -> dict[str, Callable[[Context], str]]:
     out["allocation-quality"] = allocation_quality_table
     out["allocation-objectives"] = allocation_objectives_table
     out["real-task-step"] = real_task_step_table
+    out["step-dtype"] = step_dtype_table
     out["data-files"] = data_files_table
     return out
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from benchmarks import (allocation_quality, lora_update, orchestration, real_task_step, rollout_engine, run_all,
-                        solver_speed)
+                        solver_speed, step_dtype)
 from trace.allocation.arms import ARMS, get_arm
 from trace.allocation.prefix import allocate_prefixes, prefix_value
 from trace.configuration.config import AllocationConfig, PredictorConfig, PredictorKind, SimulatorConfig
@@ -17,7 +17,7 @@ from trace.tree import FinishReason, Origin, RolloutTree
 
 MAINS = {"solver_speed": solver_speed.main, "allocation_quality": allocation_quality.main,
          "rollout_engine": rollout_engine.main, "orchestration": orchestration.main, "lora_update": lora_update.main,
-         "real_task_step": real_task_step.main}
+         "real_task_step": real_task_step.main, "step_dtype": step_dtype.main}
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +47,22 @@ def test_quick_lora_report_trains_only_the_adapters_of_the_same_model(quick_repo
     assert results["headline"]["lora_vs_full_optimizer_memory"] == pytest.approx(
         lora["optimizer_state_bytes"] / full["optimizer_state_bytes"])
     assert all(t > 0 for t in full["step_seconds"] + lora["step_seconds"])
+
+
+def test_quick_dtype_report_steps_both_dtypes_alike_and_its_ratio_is_of_their_medians(quick_reports):
+    results = json.loads((quick_reports / "step_dtype.json").read_text())["results"]
+    steps = results["default_step"]["steps"]
+    assert len(steps["float32"]) == len(steps["bfloat16"]) == 2
+    # the same weights, seeds and prompts: both trainers generate from step 0 on
+    assert all(s["tokens/generated"] > 0 for rows in steps.values() for s in rows)
+    summary = results["default_step"]["summary"]
+    assert results["headline"]["float32_over_bfloat16_step"] == pytest.approx(
+        summary["float32"]["time/step"] / summary["bfloat16"]["time/step"])
+    assert summary["float32"]["time/step"] == steps["float32"][1]["time/step"]  # step 0 is reported apart
+    assert set(results["cpu_bf16_flags"]) == set(step_dtype.BF16_FLAGS)
+    assert {"import torch", "import prefect", "import mlflow", "mlflow run on an existing SQLite store"} <= set(
+        results["startup_seconds"])
+    assert all(m["float32_gflops"] > 0 and m["bfloat16_gflops"] > 0 for m in results["matmul"])
 
 
 def test_quick_step_report_splits_the_step_and_the_profile_adds_up(quick_reports):
