@@ -468,6 +468,21 @@ def allocation_objectives_table(ctx: Context) -> str:
                   ["---", "---", "---:", "---:"])
 
 
+WARMUP_SWEEP = RUNS / "warmup-sweep-e9ec8a3" / "sweep.json"  # scripts.warmup_sweep at that commit
+
+
+def warmup_sweep_table(ctx: Context) -> str:
+    """``scripts.warmup_sweep``: per SFT checkpoint what it measures before RL, and ``grpo``'s gain from it."""
+    from scripts.warmup_sweep import markdown_table
+
+    sweep = json.loads((ctx.root / WARMUP_SWEEP).read_text())
+    return (markdown_table(sweep["rows"]) + "\n\n"
+            f"`grpo` for {sweep['rl_steps']} steps at training seed {sweep['seed']} from each checkpoint of one "
+            f"warmup ({sweep['params']}); held-out columns on the same {sweep['held_out_questions']} questions; gain in held-out greedy "
+            f"with its paired standard error over the questions. Measured at `{sweep['commit']}`. From "
+            f"[`{WARMUP_SWEEP.as_posix()}`]({ctx.link(WARMUP_SWEEP)}).")
+
+
 def step_dtype_table(ctx: Context) -> str:
     """The default step in float32 and bf16 (medians of its timers), the products under it, a stage's start-up."""
     res = ctx.benchmark("step_dtype")["results"]
@@ -535,6 +550,7 @@ def tables() -> dict[str, Callable[[Context], str]]:
     out["allocation-objectives"] = allocation_objectives_table
     out["real-task-step"] = real_task_step_table
     out["step-dtype"] = step_dtype_table
+    out["warmup-sweep"] = warmup_sweep_table
     out["data-files"] = data_files_table
     return out
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import subprocess
 from pathlib import Path
 from typing import Sequence
 
@@ -111,7 +112,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
             row["sampled_success"] = history[step]
             _write_json(done, row)
         rows.append(json.loads(done.read_text()))
-    _write_json(out / "sweep.json", {"params": args.params, "seed": args.seed, "rl_steps": args.rl_steps,
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+    _write_json(out / "sweep.json", {"commit": commit, "params": args.params, "seed": args.seed, "rl_steps": args.rl_steps,
+                                      "held_out_questions": len(held_out),
                                       "warmup_success_history": [[s, v] for s, v in sorted(history.items())],
                                       "rows": rows})
     print(markdown_table(rows))
