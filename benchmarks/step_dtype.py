@@ -21,7 +21,7 @@ Three measurements in one run, on this machine:
 
 ``--quick``: 2 steps each, fewer matmul repeats, tiny params; a smoke test.
 
-Usage: ``python -m benchmarks.step_dtype [--quick] [--threads N]``.
+Usage: ``python -m benchmarks.step_dtype [--quick] [--threads N] [--out reports/benchmarks]``.
 """
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                                         summary["float32_over_bfloat16"]["time/step"] >= 1.5}}}
     plot(summary, startup, args.out)
     settings = {"params": str(params.relative_to(REPO_ROOT)), "ablation": "trace", "steps_each": num_steps,
-                "matmul_repeats": repeats, "threads": args.threads}
+                "matmul_repeats": repeats, "torch_threads": args.threads}
     write_report(NAME, args.out, settings, results, quick=args.quick, started=started)
     return results
 

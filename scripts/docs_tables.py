@@ -432,9 +432,9 @@ def benchmark_runs_table(ctx: Context) -> str:
     for name in BENCHMARK_NAMES:
         report = ctx.benchmark(name)
         machine, settings = report.get("machine", {}), report.get("settings", {})
-        threads = settings.get("torch_threads")
+        threads = settings.get("torch_threads", settings.get("threads"))
         rows.append([f"[`{name}`]({ctx.link(BENCHMARKS / f'{name}.json')})", f"`{report.get('git_commit', '')[:7]}`",
-                     "no torch" if threads is None else str(threads), str(machine.get("omp_num_threads", "")),
+                     "no torch" if threads is None else str(threads), machine.get("omp_num_threads") or "unset",
                      str(machine.get("cpu_count", "")), _num(machine.get("load_average_1m"), 2),
                      _num(report.get("duration_s"), 0)])
     return _table(["report", "commit", "torch threads", "OMP_NUM_THREADS", "CPU cores", "load (1 min) at start",

@@ -1,5 +1,4 @@
-"""Which warmup RL learns from: `grpo`'s gain from several SFT checkpoints of one warmup, beside what each
-checkpoint measures before RL.
+"""Which warmup RL learns from: grpo's gain from SFT checkpoints of one warmup, and what each measures first.
 
 One warmup SFT (``trace.training.warmup.run_warmup``, the params' seed, batches and measurements; the band is
 switched off so it runs to the last requested step) saves the policy at each requested step. Each checkpoint
@@ -17,7 +16,9 @@ same questions. ``gain`` is the difference, and ``gain_se`` its paired standard 
 (the evaluation's sampling error only: one seed says nothing of the spread between training runs).
 
 Resumable: checkpoints and finished rows are kept in ``--out`` and skipped when run again; a killed RL run
-continues from its last checkpoint.
+continues from its last checkpoint. ``--out`` belongs to one config: ``<out>/config.json`` records the params'
+hash, and a run with other params into the same folder is refused. The prepared prompts must be those of
+the params (checked against what the task gives for them).
 
 Usage:
     python -m scripts.warmup_sweep --steps 700 900 1000 1100 1300 [--rl-steps 50] [--seed 0]
@@ -94,14 +95,18 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     every = cfg.warmup.eval_every
     bad = [s for s in args.steps if s <= 0 or s % every]
     if bad:
+        near = sorted({every * max(1, round(s / every)) for s in args.steps})
         raise ConfigError(f"--steps {bad}: each step must be a positive multiple of warmup.eval_every={every} "
                           f"(the warmup measures and can keep weights only there), e.g. --steps "
-                          f"{' '.join(str(every * max(1, round(s / every))) for s in bad)}")
+                          f"{' '.join(map(str, near))}")
+    if args.rl_steps < 1:
+        raise ConfigError(f"--rl-steps {args.rl_steps}: grpo needs at least 1 step from each checkpoint (e.g. 50)")
     steps = sorted(set(args.steps))
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     env = build_environment(cfg)
     train, evals = read_split("train"), read_split("eval")
+    check_prepared(cfg, env, {"train": train, "eval": evals}, args.params)
+    claim_folder(out, cfg.params_hash(), args.params)
     held_out = evals[: cfg.evaluate.num_prompts]
     history = _checkpoints(cfg, env, train, steps, out)
     rows = []
@@ -119,6 +124,53 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
                                       "rows": rows})
     print(markdown_table(rows))
     return rows
+
+
+def check_prepared(cfg, env, prepared: dict, params: str) -> None:
+    """Refuse prepared prompts that are not the ones the task gives for these params.
+
+    Args:
+        cfg: the config; env: its environment.
+        prepared: ``{"train": [...], "eval": [...]}`` as read from ``data/prepared``.
+        params: the params file's name, for the message.
+
+    Raises:
+        DataError: a split differs in size or in a prompt's uid or answer; the message says how to prepare.
+    """
+    from flows.prepare import task_prompts
+    from trace.data_paths import DataError
+
+    for split, prompts in prepared.items():
+        expected = task_prompts(cfg, env, split)
+        same = len(expected) == len(prompts) and all(
+            (a.prompt_uid, a.answer) == (b.prompt_uid, b.answer) for a, b in zip(expected, prompts))
+        if not same:
+            raise DataError(f"data/prepared/{split}.jsonl holds other prompts than {params} gives "
+                            f"({len(prompts)} prepared, {len(expected)} from the params): it was prepared with other "
+                            f"params. Run the sweep with the params it was prepared with, or prepare these: copy "
+                            f"{params} to params.yaml and run dvc repro prepare")
+
+
+def claim_folder(out: Path, params_hash: str, params: str) -> None:
+    """Make ``out`` this config's folder, or refuse one that holds another config's checkpoints and rows.
+
+    Raises:
+        ConfigError: ``out`` is a file, or its ``config.json`` names another params hash.
+    """
+    from trace.configuration.config import ConfigError
+
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; give a folder (it holds the checkpoints and rows)")
+    record = out / "config.json"
+    if record.exists():
+        earlier = json.loads(record.read_text())
+        if earlier.get("params_hash") != params_hash:
+            raise ConfigError(f"--out {out} holds a sweep of other params ({earlier.get('params')}, hash "
+                              f"{earlier.get('params_hash')}); its checkpoints and rows are not this config's. "
+                              f"Give another --out, or delete {out} to start over with {params}")
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    _write_json(record, {"params": params, "params_hash": params_hash})
 
 
 def _checkpoints(cfg, env, train, steps: list[int], out: Path) -> dict[int, float]:
@@ -172,7 +224,8 @@ def _measure(cfg, env, train, evals, held_out, out: Path, step: int, rl_steps: i
     trainer = Trainer(rl, "grpo", policy=policy, env=env, train_prompts=train, eval_prompts=evals,
                       predictor=predictor, run_dir=out / f"rl-{step}-grpo-s{rl.seed}")
     trainer.resume()
-    history = trainer.run()
+    trainer.run()
+    history = trainer.history  # every step's metrics, restored on resume
     policy.model.load_state_dict(trainer.updater.policy_state_dict())  # as the train stage saves its policy
     after = greedy(policy)
     gain, se = paired_gain(after, before)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.warmup_sweep import markdown_table, paired_gain
+from scripts.warmup_sweep import check_prepared, claim_folder, markdown_table, paired_gain
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,6 +30,33 @@ def test_the_table_lists_checkpoints_in_step_order_and_marks_a_task_without_deci
     lines = markdown_table(rows).splitlines()
     assert lines[2].startswith("| 900 | 0.300 | 0.450 | 0.250 | 0.700 | 0.500 | +0.050 (0.030) |")
     assert lines[3].startswith("| 1,000 | 0.400 | 0.500 | - | 0.800 |")
+
+
+def test_a_folder_of_another_configs_sweep_is_refused_and_its_own_is_reused(tmp_path):
+    from trace.configuration.config import ConfigError
+
+    out = tmp_path / "sw"
+    claim_folder(out, "aaa", "params.yaml")
+    claim_folder(out, "aaa", "params.yaml")  # the same config resumes
+    with pytest.raises(ConfigError, match="holds a sweep of other params.*Give another --out"):
+        claim_folder(out, "bbb", "other.yaml")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="is a file"):
+        claim_folder(tmp_path / "file", "aaa", "params.yaml")
+
+
+def test_prompts_prepared_with_other_params_are_refused_with_how_to_prepare():
+    from trace.configuration.params_file import load_config
+    from trace.data_paths import DataError
+    from trace.envs.registry import make_environment
+
+    cfg = load_config(REPO / "tests" / "params_tiny.yaml")
+    env = make_environment(cfg.task, cfg.seed)
+    train, evals = env.prompts("train"), env.prompts("eval")
+    check_prepared(cfg, env, {"train": train, "eval": evals}, "tiny.yaml")
+    other = make_environment(cfg.task, cfg.seed + 1)
+    with pytest.raises(DataError, match="train.jsonl holds other prompts than tiny.yaml.*dvc repro prepare"):
+        check_prepared(cfg, env, {"train": other.prompts("train"), "eval": evals}, "tiny.yaml")
 
 
 @pytest.mark.slow
@@ -76,3 +103,7 @@ def test_a_sweep_keeps_the_weights_a_warmup_stopped_at_that_step_keeps(tmp_path)
     assert "multiple of warmup.eval_every=10" in out.stderr and "--steps 20" in out.stderr
     assert "Traceback" not in out.stderr
     assert not (tmp_path / "sw" / "sweep.json").exists()
+    out = subprocess.run([sys.executable, "-m", "scripts.warmup_sweep", "--steps", "10", "--rl-steps", "0",
+                          "--params", str(REPO / "tests" / "params_tiny.yaml"), "--out", str(tmp_path / "sw")],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and "--rl-steps 0" in out.stderr and "Traceback" not in out.stderr
