@@ -37,6 +37,8 @@ from typing import Sequence
 
 import numpy as np
 
+from flows.common import write_json
+
 
 def paired_gain(after: dict[str, float], before: dict[str, float]) -> tuple[float, float]:
     """Mean per-question difference ``after - before`` and its standard error.
@@ -68,12 +70,6 @@ def markdown_table(rows: Sequence[dict]) -> str:
         lines.append(f"| {r['sft_step']:,} | {r['sampled_success']:.3f} | {r['held_out']:.3f} | {amb} | {plain} "
                      f"| {r['held_out_after']:.3f} | {r['gain']:+.3f} ({r['gain_se']:.3f}) |")
     return "\n".join(lines)
-
-
-def _write_json(path: Path, data) -> None:
-    from trace.tree_io import atomic_write_bytes
-
-    atomic_write_bytes(path, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode())
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:
@@ -115,10 +111,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         if not done.exists():
             row = _measure(run_config(cfg, args.seed), env, train, evals, held_out, out, step, args.rl_steps)
             row["sampled_success"] = history[step]
-            _write_json(done, row)
+            write_json(done, row)
         rows.append(json.loads(done.read_text()))
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
-    _write_json(out / "sweep.json", {"commit": commit, "params": args.params, "seed": args.seed, "rl_steps": args.rl_steps,
+    write_json(out / "sweep.json", {"commit": commit, "params": args.params, "seed": args.seed, "rl_steps": args.rl_steps,
                                       "held_out_questions": len(held_out),
                                       "warmup_success_history": [[s, v] for s, v in sorted(history.items())],
                                       "rows": rows})
@@ -170,7 +166,7 @@ def claim_folder(out: Path, params_hash: str, params: str) -> None:
                               f"Give another --out, or delete {out} to start over with {params}")
         return
     out.mkdir(parents=True, exist_ok=True)
-    _write_json(record, {"params": params, "params_hash": params_hash})
+    write_json(record, {"params": params, "params_hash": params_hash})
 
 
 def _checkpoints(cfg, env, train, steps: list[int], out: Path) -> dict[int, float]:
@@ -182,7 +178,7 @@ def _checkpoints(cfg, env, train, steps: list[int], out: Path) -> dict[int, floa
 
     record = out / "warmup.json"
     if record.exists() and all((out / f"step-{s}").is_dir() for s in steps):
-        return {int(s): v for s, v in json.loads(record.read_text())}
+        return {int(s): v for s, v in json.loads(record.read_text())["history"]}
     wcfg = cfg.warmup.model_copy(update={"max_steps": steps[-1], "target_low": 1.0, "target_high": 1.0})
     policy = build_policy(cfg.policy, env, cfg.seed, cfg.task.name.value)
 
@@ -192,7 +188,7 @@ def _checkpoints(cfg, env, train, steps: list[int], out: Path) -> dict[int, floa
             print(f"SFT step {step}: sampled success {success:.3f}, saved", flush=True)
 
     result = run_warmup(policy, env, train, cfg.model_copy(update={"warmup": wcfg}), on_measure=keep)
-    _write_json(record, result.history)
+    write_json(record, {"history": result.history})
     return dict(result.history)
 
 
