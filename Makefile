@@ -3,20 +3,22 @@
 #   make test   create .venv, then run the test suite
 #   make run-grid  the same pipeline over every arm (the full grid) as a DVC experiment; with POOL=<work pool>,
 #                  one job per arm and seed on that pool's Prefect workers (flows.grid, docs/scale.md)
-#   make run-long  the default arms and seeds for LONG_STEPS RL steps, as a DVC experiment
+#   make run-paper the accuracy run: the default arms and seeds for PAPER_STEPS RL steps, evaluated on the
+#                  whole held-out set every PAPER_EVAL_EVERY steps, as one DVC experiment (docs/results.md)
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PORT ?= 4200
-LONG_STEPS ?= 75
+PAPER_STEPS ?= 80
+PAPER_EVAL_EVERY ?= 20
 # The process environment (threads, DeepSpeed, Prefect, offline Hugging Face) is trace/configuration/process_env.py's table,
 # read with $(PYTHON) (standard library only, so before .venv exists); variables already set are kept.
 $(foreach assignment,$(shell $(PYTHON) -m trace.configuration.process_env --make),$(eval export $(assignment)))
 export PYTHONDONTWRITEBYTECODE :=
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: venv run run-grid run-long test ui serve
+.PHONY: venv run run-grid run-paper test ui serve
 
 venv: $(STAMP)
 
@@ -57,10 +59,13 @@ run-grid: venv
 	  if [ -n "$(POOL)" ]; then PATH=$(CURDIR)/$(BIN):$$PATH exec $(BIN)/python -m flows.grid run --pool "$(POOL)" "$$@"; fi; \
 	  $(dvc_experiment)
 
-# The learning run: the default arms x train.seeds for LONG_STEPS steps instead of train.num_steps, with an
-# in-training evaluation every 25 steps; the shared stages (warmup included) come from the cache when unchanged.
-run-long: venv
-	@set -- -S train.num_steps=$(LONG_STEPS) -S train.eval_every=25 -S train.checkpoint_every=25 && $(dvc_experiment)
+# The accuracy run: the default arms x train.seeds for PAPER_STEPS steps instead of train.num_steps, evaluated
+# in training on the whole held-out set (task.kgqa.num_eval questions) every PAPER_EVAL_EVERY steps and
+# checkpointed as often (a killed run resumes there); the shared stages (warmup included) come from the cache
+# when unchanged. Its report is the README's accuracy table (docs/results.md, "make run-paper").
+run-paper: venv
+	@set -- -S train.num_steps=$(PAPER_STEPS) -S train.eval_every=$(PAPER_EVAL_EVERY) \
+	  -S train.checkpoint_every=$(PAPER_EVAL_EVERY) -S train.eval_prompts=200 && $(dvc_experiment)
 
 # --durations: the slowest tests, printed at the end (where the suite's time goes)
 test: venv
