@@ -43,9 +43,12 @@ BENCHMARKS = Path("reports") / "benchmarks"
 INDEX = RUNS / "index.yaml"
 DOCS = ("README.md", "docs/*.md")
 
-# index.yaml keys: the reports of `make run` / `make run-long` (reports/metrics.json of the report stage), and the
-# real-data presets (that format too, or the earlier per-stage one: warmup_stage, <arm>.eval, <arm>.train_summary)
-ABLATION_REPORTS = ("default", "long")
+# index.yaml keys: the reports of `make run`, `make run-paper` and the earlier 75-step run (reports/metrics.json of
+# the report stage), and the real-data presets (that format too, or the earlier per-stage one: warmup_stage,
+# <arm>.eval, <arm>.train_summary)
+ABLATION_REPORTS = ("default", "paper", "long")
+# The learning bar of the accuracy run: grpo's held-out greedy gain over its warmup (docs/results.md)
+LEARNING_BAR = 0.10
 PRESET_REPORTS = ("hotpotqa", "gsm8k", "bfcl")
 PRESET_ARMS = ("grpo", "trace")
 
@@ -243,6 +246,69 @@ def regime_table(ctx: Context, key: str) -> str:
     header.append("training questions, greedy")
     row.append(_num(w.get("accuracy_train/greedy")))
     return _table(header, [row], ["---:"] * len(header)) + "\n\n" + _source(ctx, folder)
+
+
+def gain_table(ctx: Context, key: str) -> str:
+    """Per arm, held-out greedy accuracy after RL minus the warmup's, with the verdict on the learning bar.
+
+    The warmup's accuracy is one number shared by every seed, so the t-interval of the gain over seeds is the
+    arm's accuracy interval shifted by it; it leaves out the warmup evaluation's own error (the report's
+    ``summary.md`` gives the paired bootstrap over questions that includes it).
+    """
+    folder, metrics = ctx.report(key)
+    if metrics is None:
+        return _missing(ctx, key)
+    abl, warmup = metrics["ablations"], metrics["warmup"].get("accuracy/greedy")
+    rows = []
+    for arm in _ranked(abl):
+        iv = abl[arm]["mean"].get("eval greedy") or {}
+        if not (_finite(warmup) and _finite(iv.get("mean"))):
+            rows.append([f"`{arm}`", _pm(iv), "n/a", "n/a"])
+            continue
+        low, high = (iv[k] - warmup if _finite(iv.get(k)) else None for k in ("low", "high"))
+        shown = _num(iv["mean"] - warmup, 3, True) + (f" [{_num(low, 3, True)}, {_num(high, 3, True)}]"
+                                                        if low is not None and high is not None else " (one seed)")
+        rows.append([f"`{arm}`", _pm(iv), shown, "n/a" if low is None else ("yes" if low > 0 else "no")])
+    bar = ""
+    if "grpo" in abl and _finite(warmup):
+        g = abl["grpo"]["mean"].get("eval greedy") or {}
+        met = _finite(g.get("low")) and g["mean"] - warmup >= LEARNING_BAR and g["low"] > warmup
+        bar = (f" The learning bar (`grpo`'s gain >= {LEARNING_BAR:.2f} with the interval's lower end above the "
+               f"warmup) is **{'met' if met else 'not met'}**.")
+    note = (f"Held-out greedy accuracy after RL: mean over seeds ± the 95 % t half-width; minus the warmup's "
+            f"{_num(warmup)}: the same interval shifted, which leaves out the warmup evaluation's own error (the "
+            f"report's `summary.md` gives `grpo`'s gain with a paired bootstrap over questions that includes it)."
+            f"{bar} " + _source(ctx, folder))
+    return _table(["arm", "held-out greedy", "minus warmup [95 % t over seeds]", "lower end above warmup"],
+                  rows) + "\n\n" + note
+
+
+def tokens_to_target_table(ctx: Context, key: str) -> str:
+    """Per arm, the generated tokens to reach ``grpo``'s final in-training held-out accuracy (the curves)."""
+    folder, metrics = ctx.report(key)
+    if metrics is None:
+        return _missing(ctx, key)
+    abl = metrics["ablations"]
+    finals = [abl["grpo"][s].get("arm/last_eval_acc") for s in _seeds(abl["grpo"])] if "grpo" in abl else []
+    finals = [f for f in finals if _finite(f)]
+    if not finals:
+        return "No `grpo` in-training evaluation in this report: no target accuracy. " + _source(ctx, folder)
+    rows = []
+    for arm in _ranked(abl):
+        hit, seeds = abl[arm].get("tokens_to_grpo_final"), len(_seeds(abl[arm]))
+        reached = int(hit.get("n", 0)) if hit else 0
+        if not hit or not _finite(hit.get("mean")):
+            shown = "not reached"
+        elif reached == seeds and reached > 1 and _finite(hit.get("low")):
+            shown = f"{_num(hit['mean'], 0)} [{_num(hit['low'], 0)}, {_num(hit['high'], 0)}]"
+        else:
+            shown = f"{_num(hit['mean'], 0)} (mean of the seeds that reach it)"
+        rows.append([f"`{arm}`", shown, f"{reached}/{seeds}"])
+    target = sum(finals) / len(finals)
+    note = (f"Generated tokens until the in-training held-out accuracy first reaches {_num(target)}, `grpo`'s final "
+            f"one (mean over its seeds): per seed the first crossing of accuracy against cumulative generated "
+            f"tokens, linearly interpolated; the 95 % t-interval when every seed reaches it. " + _source(ctx, folder))
+    return _table(["arm", f"tokens to {_num(target)}", "seeds reaching"], rows) + "\n\n" + note
 
 
 def audit_table(ctx: Context, key: str) -> str:
@@ -541,6 +607,8 @@ def tables() -> dict[str, Callable[[Context], str]]:
         out[f"{key}-vs-grpo-full"] = lambda ctx, key=key: vs_grpo_table(ctx, key, full=True)
         out[f"{key}-regime"] = lambda ctx, key=key: regime_table(ctx, key)
         out[f"{key}-audit"] = lambda ctx, key=key: audit_table(ctx, key)
+        out[f"{key}-gain"] = lambda ctx, key=key: gain_table(ctx, key)
+        out[f"{key}-tokens-to-target"] = lambda ctx, key=key: tokens_to_target_table(ctx, key)
     for key in PRESET_REPORTS:
         out[f"preset-{key}"] = lambda ctx, key=key: preset_table(ctx, key)
     out["presets"] = presets_table

@@ -121,3 +121,46 @@ def test_the_check_command_exits_1_naming_the_stale_table(repo_copy, monkeypatch
     monkeypatch.setattr(docs_tables, "REPO_ROOT", root)
     assert docs_tables.main(["--check"]) == 1
     assert "docs/page.md: long-vs-grpo: differs from the committed reports" in capsys.readouterr().out
+
+
+def _accuracy_report(root: Path, grpo_greedy: dict, hits: dict) -> docs_tables.Context:
+    """A scratch report under key ``paper``: warmup 0.500, grpo's final in-training accuracies 0.60/0.62/0.64."""
+    seeds = {f"s{i}": {"arm/last_eval_acc": acc} for i, acc in enumerate((0.60, 0.62, 0.64))}
+    ablations = {
+        "grpo": {"mean": {"eval greedy": grpo_greedy}, "tokens_to_grpo_final": hits["grpo"], **seeds},
+        "trace": {"mean": {"eval greedy": {"mean": 0.55, "low": 0.49, "high": 0.61, "n": 3}},
+                  "tokens_to_grpo_final": hits["trace"], **seeds},
+    }
+    folder = root / "reports" / "runs" / "paper-x"
+    folder.mkdir(parents=True)
+    (folder / "metrics.json").write_text(json.dumps({"ablations": ablations, "warmup": {"accuracy/greedy": 0.5}}))
+    return docs_tables.Context(root=root, doc=root / "README.md", index={"paper": "paper-x"})
+
+
+@pytest.mark.parametrize("grpo_greedy, verdict", [
+    ({"mean": 0.62, "low": 0.55, "high": 0.69, "n": 3}, "met"),       # +0.12, lower end +0.05
+    ({"mean": 0.58, "low": 0.55, "high": 0.61, "n": 3}, "not met"),   # +0.08: below the bar
+    ({"mean": 0.62, "low": 0.49, "high": 0.75, "n": 3}, "not met"),   # lower end below the warmup
+])
+def test_the_gain_table_judges_the_learning_bar(tmp_path, grpo_greedy, verdict):
+    ctx = _accuracy_report(tmp_path, grpo_greedy, {"grpo": None, "trace": None})
+    text = docs_tables.gain_table(ctx, "paper")
+    low, high = grpo_greedy["low"] - 0.5, grpo_greedy["high"] - 0.5
+    assert f"| `grpo` | {grpo_greedy['mean']:.3f} ± " in text
+    assert f"{grpo_greedy['mean'] - 0.5:+.3f} [{low:+.3f}, {high:+.3f}] | {'yes' if low > 0 else 'no'} |" in text
+    assert "| `trace` | 0.550 ± 0.060 | +0.050 [-0.010, +0.110] | no |" in text
+    assert f"is **{verdict}**" in text
+
+
+def test_the_tokens_table_gives_an_interval_only_when_every_seed_reaches_grpos_final(tmp_path):
+    hits = {"grpo": {"mean": 40000.0, "low": 30000.0, "high": 50000.0, "n": 3},
+            "trace": {"mean": 25000.0, "low": 10000.0, "high": 40000.0, "n": 2}}  # 2 of 3 seeds: no interval
+    ctx = _accuracy_report(tmp_path, {"mean": 0.62, "low": 0.55, "high": 0.69, "n": 3}, hits)
+    text = docs_tables.tokens_to_target_table(ctx, "paper")
+    assert "| arm | tokens to 0.620 | seeds reaching |" in text
+    assert "| `grpo` | 40,000 [30,000, 50,000] | 3/3 |" in text
+    assert "| `trace` | 25,000 (mean of the seeds that reach it) | 2/3 |" in text
+    hits["trace"] = None
+    (tmp_path / "reports").rename(tmp_path / "old")
+    ctx = _accuracy_report(tmp_path, {"mean": 0.62, "low": 0.55, "high": 0.69, "n": 3}, hits)
+    assert "| `trace` | not reached | 0/3 |" in docs_tables.tokens_to_target_table(ctx, "paper")
