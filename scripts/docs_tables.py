@@ -266,7 +266,8 @@ def gain_table(ctx: Context, key: str) -> str:
             rows.append([f"`{arm}`", _pm(iv), "n/a", "n/a"])
             continue
         low, high = (iv[k] - warmup if _finite(iv.get(k)) else None for k in ("low", "high"))
-        shown = _num(iv["mean"] - warmup, 3, True) + (f" [{_num(low, 3, True)}, {_num(high, 3, True)}]"
+        bound = lambda x: _num(x, 4 if abs(x) < 5e-4 else 3, True)  # a bound next to 0 shows its side
+        shown = _num(iv["mean"] - warmup, 3, True) + (f" [{bound(low)}, {bound(high)}]"
                                                         if low is not None and high is not None else " (one seed)")
         rows.append([f"`{arm}`", _pm(iv), shown, "n/a" if low is None else ("yes" if low > 0 else "no")])
     bar = ""
