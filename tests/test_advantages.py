@@ -60,7 +60,7 @@ def chain_tree(parents, leaf_rewards, prompt_uid="kgqa/q0", tree_id=None):
 
 
 # ---- slow references: loops over paths --------------------------------------------------------------------
-def slow_z(values, eps, std_floor):
+def slow_z(values, eps, std_floor, baseline="mean", scale="std"):
     n = len(values)
     if n < 2 or max(values) == min(values):
         return [0.0] * n
@@ -68,11 +68,16 @@ def slow_z(values, eps, std_floor):
     std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
     if std < std_floor:
         return [0.0] * n
-    return [(v - mean) / (std + eps) for v in values]
+    if baseline == "mean":
+        centred = [v - mean for v in values]
+    else:  # the mean of the other members
+        centred = [v - (sum(values) - v) / (n - 1) for v in values]
+    return [c / (std + eps) if scale == "std" else c for c in centred]
 
 
-def slow_clip(value, clip):
-    return value if clip is None else max(-clip, min(clip, value))
+def slow_clip(value, clip, negative_weight=1.0):
+    value = value if clip is None else max(-clip, min(clip, value))
+    return negative_weight * value if value < 0 else value
 
 
 def reward_of(node):
@@ -101,21 +106,21 @@ def rows_to_nodes(trees, row_at):
     return out
 
 
-def slow_prompt_z(trees, eps, std_floor):
+def slow_prompt_z(trees, eps, std_floor, **group):
     z = {}
     for members in prompt_leaves(trees).values():
-        for (t, leaf_id, _), value in zip(members, slow_z([m[2] for m in members], eps, std_floor)):
+        for (t, leaf_id, _), value in zip(members, slow_z([m[2] for m in members], eps, std_floor, **group)):
             z[(t, leaf_id)] = value
     return z
 
 
-def slow_grpo(trees, eps, std_floor, clip):
-    z = slow_prompt_z(trees, eps, std_floor)
-    return rows_to_nodes(trees, lambda t, leaf, node: slow_clip(z[(t, leaf)], clip))
+def slow_grpo(trees, eps, std_floor, clip, negative_weight=1.0, **group):
+    z = slow_prompt_z(trees, eps, std_floor, **group)
+    return rows_to_nodes(trees, lambda t, leaf, node: slow_clip(z[(t, leaf)], clip, negative_weight))
 
 
-def slow_tree_grpo(trees, eps, std_floor, clip):
-    inter = slow_prompt_z(trees, eps, std_floor)
+def slow_tree_grpo(trees, eps, std_floor, clip, negative_weight=1.0, **group):
+    inter = slow_prompt_z(trees, eps, std_floor, **group)
     row = {}
     for t, tree in enumerate(trees):
         children = tree.children()
@@ -123,15 +128,15 @@ def slow_tree_grpo(trees, eps, std_floor, clip):
             terms = []
             for anchor in tree.path(leaf.node_id)[1:-1]:
                 if len(children[anchor.node_id]) >= 2:
-                    group = leaves_under(tree, anchor.node_id)
-                    zs = slow_z([reward_of(n) for n in group], eps, std_floor)
-                    terms.append(zs[[n.node_id for n in group].index(leaf.node_id)])
+                    members = leaves_under(tree, anchor.node_id)
+                    zs = slow_z([reward_of(n) for n in members], eps, std_floor, **group)
+                    terms.append(zs[[n.node_id for n in members].index(leaf.node_id)])
             intra = sum(terms) / len(terms) if terms else 0.0
-            row[(t, leaf.node_id)] = slow_clip(inter[(t, leaf.node_id)] + intra, clip)
+            row[(t, leaf.node_id)] = slow_clip(inter[(t, leaf.node_id)] + intra, clip, negative_weight)
     return rows_to_nodes(trees, lambda t, leaf, node: row[(t, leaf)])
 
 
-def slow_treerpo(trees, eps, std_floor, clip):
+def slow_treerpo(trees, eps, std_floor, clip, negative_weight=1.0, **options):
     def value(t, node_id):
         group = leaves_under(trees[t], node_id)
         return sum(reward_of(n) for n in group) / len(group)
@@ -154,14 +159,14 @@ def slow_treerpo(trees, eps, std_floor, clip):
             if len(group) == 1:
                 cache[(t, node_id)] = advantage(t, trees[t].nodes[node_id].parent_id)
             else:
-                zs = slow_z([value(s, c) for s, c in group], eps, std_floor)
+                zs = slow_z([value(s, c) for s, c in group], eps, std_floor, **options)
                 cache[(t, node_id)] = zs[group.index((t, node_id))]
         return cache[(t, node_id)]
 
-    return rows_to_nodes(trees, lambda t, leaf, node: slow_clip(advantage(t, node), clip))
+    return rows_to_nodes(trees, lambda t, leaf, node: slow_clip(advantage(t, node), clip, negative_weight))
 
 
-def slow_treepo(trees, eps, std_floor, clip):
+def slow_treepo(trees, eps, std_floor, clip, negative_weight=1.0, baseline="mean", scale="std"):
     groups = prompt_leaves(trees)
     raw = {}
     for t, tree in enumerate(trees):
@@ -173,12 +178,15 @@ def slow_treepo(trees, eps, std_floor, clip):
                 else:
                     members = [reward_of(n) for n in leaves_under(tree, ancestor.node_id)]
                 if len(members) >= 2:
-                    total += len(members) * (reward_of(leaf) - sum(members) / len(members))
+                    r = reward_of(leaf)
+                    base = (sum(members) / len(members) if baseline == "mean"
+                            else (sum(members) - r) / (len(members) - 1))
+                    total += len(members) * (r - base)
                     weight += len(members)
             raw[(t, leaf.node_id)] = total / weight if weight else 0.0
     keys = list(raw)
-    white = dict(zip(keys, slow_z([raw[k] for k in keys], eps, std_floor)))
-    return rows_to_nodes(trees, lambda t, leaf, node: slow_clip(white[(t, leaf)], clip))
+    white = dict(zip(keys, slow_z([raw[k] for k in keys], eps, std_floor, scale=scale)))
+    return rows_to_nodes(trees, lambda t, leaf, node: slow_clip(white[(t, leaf)], clip, negative_weight))
 
 
 SLOW = {"grpo": slow_grpo, "tree_grpo": slow_tree_grpo, "treerpo": slow_treerpo, "treepo": slow_treepo}
@@ -520,3 +528,61 @@ def test_a_reward_of_the_wrong_type_set_after_construction_stops_every_estimator
     tree.nodes[ids[(1,)]].reward = bad
     with pytest.raises(RewardError, match=rf"tree test/0/kgqa/q0 node {ids[(1,)]}: reward {bad!r} .*not a number"):
         compute_advantages([tree], estimator)
+
+
+# ---- baseline, scale and negative weight (advantages.baseline / scale / negative_weight) -------------------
+# One prompt, rewards [1, 0, 0, 0]: mean 0.25, unbiased std sqrt((0.75^2 + 3 * 0.25^2) / 3) = 0.5.
+ONE_IN_FOUR = [1.0, 0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("options, expected", [
+    ({}, [1.5, -0.5, -0.5, -0.5]),  # (r - 0.25) / 0.5
+    ({"scale": "none"}, [0.75, -0.25, -0.25, -0.25]),  # Dr. GRPO: r - 0.25
+    ({"baseline": "leave_one_out", "scale": "none"}, [1.0, -1 / 3, -1 / 3, -1 / 3]),  # RLOO: 1 - 0, 0 - 1/3
+    ({"baseline": "leave_one_out"}, [2.0, -2 / 3, -2 / 3, -2 / 3]),  # RLOO / 0.5
+    ({"negative_weight": 0.25}, [1.5, -0.125, -0.125, -0.125]),  # 0.25 * -0.5
+    ({"negative_weight": 0.0, "scale": "none"}, [0.75, 0.0, 0.0, 0.0]),  # successes only
+])
+def test_grpo_options_match_hand_worked_vectors(options, expected):
+    tree, ids = make_tree([(0,), (1,), (2,), (3,)], ONE_IN_FOUR)
+    adv = compute_advantages([tree], "grpo", eps=1e-12, **options)[0]
+    np.testing.assert_allclose([adv[ids[(i,)]] for i in range(4)], expected, atol=1e-9)
+
+
+def test_negative_weight_applies_after_the_clip():
+    # one failure in 93: z = -92 / sqrt(93) = -9.54, clipped to -5, then weighted: -2.5 (not 0.5 * -9.54 = -4.77)
+    tree, ids = make_tree([(i,) for i in range(93)], [0.0] + [1.0] * 92)
+    plain = compute_advantages([tree], "grpo", clip=5.0)[0]
+    half = compute_advantages([tree], "grpo", clip=5.0, negative_weight=0.5)[0]
+    assert half[ids[(0,)]] == pytest.approx(-2.5)
+    assert half[ids[(1,)]] == pytest.approx(plain[ids[(1,)]]) and plain[ids[(1,)]] > 0  # successes unweighted
+
+
+def test_options_keep_constant_groups_at_exactly_zero():
+    tree, _ = make_tree([(0,), (1,), (2,)], [0.2, 0.2, 0.2])
+    for name in ESTIMATORS:
+        for options in ({"scale": "none"}, {"baseline": "leave_one_out"}, {"negative_weight": 0.0}):
+            assert np.all(compute_advantages([tree], name, **options)[0] == 0.0), (name, options)
+
+
+def test_unknown_options_are_refused_with_the_valid_values():
+    tree, _ = make_tree([(0,), (1,)], [1.0, 0.0])
+    with pytest.raises(ValueError, match="advantages.baseline must be one of"):
+        compute_advantages([tree], "grpo", baseline="median")
+    with pytest.raises(ValueError, match="advantages.scale must be one of"):
+        compute_advantages([tree], "grpo", scale="mad")
+    with pytest.raises(ValueError, match=r"advantages.negative_weight must be in \[0, 1\]"):
+        compute_advantages([tree], "grpo", negative_weight=1.5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(trees=tree_batches(), baseline=st.sampled_from(["mean", "leave_one_out"]),
+       scale=st.sampled_from(["std", "none"]), negative_weight=st.sampled_from([1.0, 0.3, 0.0]),
+       clip=st.sampled_from([None, 1.5]))
+def test_estimator_options_match_slow_references(trees, baseline, scale, negative_weight, clip):
+    for name, slow in SLOW.items():
+        fast = compute_advantages(trees, name, eps=1e-6, std_floor=1e-3, clip=clip, baseline=baseline, scale=scale,
+                                  negative_weight=negative_weight)
+        ref = slow(trees, 1e-6, 1e-3, clip, negative_weight=negative_weight, baseline=baseline, scale=scale)
+        for f, r in zip(fast, ref):
+            np.testing.assert_allclose(f, r, atol=1e-9, err_msg=f"{name} {baseline} {scale} {negative_weight}")

@@ -89,7 +89,7 @@ def test_a_pool_smaller_than_the_candidates_fails_at_config_load(task, key):
 
 
 # ---- the dapo arm's step -------------------------------------------------------------------------------------
-def tiny_trainer(ablation, run_dir):
+def tiny_trainer(ablation, run_dir, overrides=None):
     from trace.configuration.params_file import load_config
     from trace.envs.registry import make_environment
     from trace.training.loop import Trainer
@@ -97,7 +97,7 @@ def tiny_trainer(ablation, run_dir):
     from trace.predictor import make_predictor
 
     cfg = load_config(ROOT / "tests" / "params_tiny.yaml",
-                      overrides={"train.eval_every": 100, "predictor.kind": "history"})
+                      overrides={"train.eval_every": 100, "predictor.kind": "history", **(overrides or {})})
     env = make_environment(cfg.task, cfg.seed)
     policy = build_tiny_policy(cfg.policy, env.vocabulary(), cfg.seed)
     predictor = make_predictor(cfg.predictor, env=env, policy=policy, seed=cfg.seed)
@@ -171,3 +171,52 @@ def test_a_trace_step_logs_the_allocation_audit_of_its_trees(tmp_path):
     assert 0.0 <= metrics["audit/expected_flips"] <= metrics["audit/anchors"]
     assert metrics["audit/flips"] <= metrics["audit/anchors"]
     assert metrics["audit/anchors"] == sum(n.num_branches > 0 for t in trees for n in t.nodes[1:])
+
+
+# ---- the probe: a learning curve free of the per-step prompt draw ---------------------------------------------
+@pytest.mark.slow
+def test_the_probe_measures_the_gain_over_the_starting_policy_and_survives_a_resume(tmp_path, monkeypatch):
+    import zlib
+
+    from trace.envs.kgqa import KGQAEnvironment
+    from trace.training.evaluation import success_rates
+    from trace.tree_io import read_trees, tree_path
+
+    # an untrained tiny policy never answers: end each episode at its first turn, rewarded by a checksum of the
+    # action, so success rates are strictly between 0 and 1 and move when the policy does
+    real_step = KGQAEnvironment.step
+
+    def first_turn_ends(self, state, action):
+        result = real_step(self, state, action)
+        return dataclasses.replace(result, state=dataclasses.replace(result.state, done=True), observation="",
+                                   reward=float(zlib.crc32(repr(action).encode()) % 2), terminated=True,
+                                   truncated=False)
+
+    monkeypatch.setattr(KGQAEnvironment, "step", first_turn_ends)
+    # a large step, so that the policy after 3 updates samples other actions than the starting one
+    settings_ = {"train.num_steps": 3, "train.eval_every": 2, "train.checkpoint_every": 2, "update.lr": 0.05}
+    plain = tiny_trainer("grpo", tmp_path / "plain", settings_)
+    probed = tiny_trainer("grpo", tmp_path / "probed", {**settings_, "train.probe_prompts": 8})
+    # the starting policy's probe, measured apart on the same prompts and seeds
+    initial = success_rates(probed.policy, probed.env, probed.train_prompts[:8], probed.cfg.rollout,
+                            seed=step_seed(0, 0, "probe"), samples=4, max_context_tokens=256)
+    plain_metrics, probed_metrics = plain.run(), probed.run()
+    assert "probe/initial" not in plain_metrics[0]
+    assert probed_metrics[0]["probe/initial"] == pytest.approx(np.mean(list(initial.values())))
+    assert 0.0 < probed_metrics[0]["probe/initial"] < 1.0
+    for m in probed_metrics:  # steps 1 and 2 evaluate (every 2 steps and at the end)
+        if "accuracy/eval" in m:
+            assert m["probe/gain"] == pytest.approx(m["probe/success"] - probed_metrics[0]["probe/initial"])
+    assert [("probe/gain" in m) for m in probed_metrics] == [False, True, True]
+    assert probed_metrics[-1]["probe/success"] != probed_metrics[0]["probe/initial"]  # the policy moved
+    # probing samples on its own seeds: the run's trees are those of the run without it
+    for step in range(3):
+        a = read_trees(tree_path(plain.trees_root, "grpo", step))
+        b = read_trees(tree_path(probed.trees_root, "grpo", step))
+        assert [[n.token_ids for n in t.nodes] for t in a] == [[n.token_ids for n in t.nodes] for t in b]
+    # a run resumed after step 3 reads the starting policy's probe back from its checkpoint's history
+    resumed = tiny_trainer("grpo", tmp_path / "probed", {**settings_, "train.probe_prompts": 8,
+                                                         "train.num_steps": 4})
+    assert resumed.resume() == 3  # the checkpoint at the end of the 3 steps
+    last = resumed.run()[-1]
+    assert last["probe/gain"] == pytest.approx(last["probe/success"] - probed_metrics[0]["probe/initial"])

@@ -10,7 +10,7 @@ import pytest
 from trace.reporting.report import TABLE_SUMMARY_KEYS, arm_statistics, regime_summary
 from trace.reporting.report_markdown import render_markdown
 from trace.reporting.report_json import metrics_table
-from trace.reporting.report_plots import AUDIT_PLOT, PLOTS, write_plots
+from trace.reporting.report_plots import AUDIT_PLOT, PLOTS, PROBE_PLOT, write_plots
 from trace.tracking.names import SUMMARY_METRIC_NAMES
 
 # one seed: trace and grpo tie on held-out accuracy (0.400); trace ranks first on effective ratio (0.9 > 0.6);
@@ -152,6 +152,20 @@ def test_without_audit_keys_the_report_says_nothing_of_the_audit(tmp_path: Path)
     (tmp_path / AUDIT_PLOT).write_bytes(b"stale")
     paths = write_plots(results, tmp_path)
     assert [p.name for p in paths] == list(PLOTS) and not (tmp_path / AUDIT_PLOT).exists()
+
+
+def test_the_probe_plot_is_drawn_only_when_a_run_logged_the_probe(tmp_path: Path):
+    import copy
+
+    results = {"grpo": copy.deepcopy(THREE_SEEDS["grpo"])}
+    (tmp_path / PROBE_PLOT[0]).write_bytes(b"stale")
+    assert PROBE_PLOT[0] not in [p.name for p in write_plots(results, tmp_path)]
+    assert not (tmp_path / PROBE_PLOT[0]).exists()
+    for seed, res in results["grpo"].items():
+        res["history"]["probe/gain"] = [(1, 0.01 * seed), (3, 0.02 + 0.01 * seed)]
+    paths = write_plots(results, tmp_path)
+    assert [p.name for p in paths] == [*PLOTS, PROBE_PLOT[0]]
+    assert (tmp_path / PROBE_PLOT[0]).read_bytes()[:4] == b"\x89PNG"
 
 
 def test_the_report_columns_are_named_by_the_tracking_table():

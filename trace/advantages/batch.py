@@ -131,12 +131,12 @@ class TreeBatch:
         return (live_children >= 2) & (self.parent >= 0)
 
     def kept_leaf_zscore(self, values: np.ndarray, group: np.ndarray, num_groups: int, eps: float,
-                         std_floor: float) -> np.ndarray:
+                         std_floor: float, *, baseline: str = "mean", scale: str = "std") -> np.ndarray:
         """(L,) ``group_zscore`` of per-leaf ``values`` over the non-empty leaves only; empty leaves get 0."""
         out = np.zeros(self.leaf.size, dtype=np.float64)
         kept = self.kept_leaves
         out[kept] = group_zscore(np.asarray(values, dtype=np.float64)[kept], group[kept], num_groups, eps,
-                                 std_floor)
+                                 std_floor, baseline=baseline, scale=scale)
         return out
 
     def split(self, values: np.ndarray) -> list[np.ndarray]:
@@ -171,7 +171,26 @@ class LeafAdvantages:
 
 
 # ---- group statistics ----------------------------------------------------------------------------------
-def group_zscore(values: np.ndarray, group: np.ndarray, num_groups: int, eps: float, std_floor: float) -> np.ndarray:
+BASELINES = ("mean", "leave_one_out")
+SCALES = ("std", "none")
+
+
+def check_group_options(baseline: str, scale: str, negative_weight: float) -> None:
+    """Refuse an unknown baseline or scale, or a negative weight outside [0, 1].
+
+    Raises:
+        ValueError: naming the option, the value and the valid values.
+    """
+    if baseline not in BASELINES:
+        raise ValueError(f"advantages.baseline must be one of {list(BASELINES)}, got {baseline!r}")
+    if scale not in SCALES:
+        raise ValueError(f"advantages.scale must be one of {list(SCALES)}, got {scale!r}")
+    if not 0.0 <= negative_weight <= 1.0:
+        raise ValueError(f"advantages.negative_weight must be in [0, 1], got {negative_weight}")
+
+
+def group_zscore(values: np.ndarray, group: np.ndarray, num_groups: int, eps: float, std_floor: float, *,
+                 baseline: str = "mean", scale: str = "std") -> np.ndarray:
     """Z-score of each value within its group, with the conventions of ``trace.advantages``.
 
     Args:
@@ -180,11 +199,19 @@ def group_zscore(values: np.ndarray, group: np.ndarray, num_groups: int, eps: fl
         num_groups: number of groups.
         eps: added to the std (> 0).
         std_floor: groups with unbiased std below this give 0.
+        baseline: ``"mean"`` subtracts the group mean; ``"leave_one_out"`` subtracts the mean of the *other*
+            members, ``v - (S - v) / (n - 1) = n / (n - 1) * (v - mean)`` (RLOO).
+        scale: ``"std"`` divides by ``std + eps``; ``"none"`` keeps the centred value (Dr. GRPO).
 
     Returns:
-        (K,) float64 ``(v - mean_g) / (std_g + eps)``, exactly 0 in groups of size 1, in groups of equal
-        values, and in groups with ``std_g < std_floor``.
+        (K,) float64 ``(v - baseline_g) / (std_g + eps)`` (or unscaled), exactly 0 in groups of size 1, in
+        groups of equal values, and in groups with ``std_g < std_floor``, whatever the options.
+
+    References:
+        GRPO (arXiv 2402.03300), eq. 3; RLOO, Ahmadian et al. 2024 (arXiv 2402.14740), eq. 4 (leave-one-out
+        baseline); Dr. GRPO, Liu et al. 2025 (arXiv 2503.20783), section 3.1 (no std normalisation).
     """
+    check_group_options(baseline, scale, 1.0)
     values = np.asarray(values, dtype=np.float64)
     if values.size == 0:
         return np.zeros(0, dtype=np.float64)
@@ -198,4 +225,8 @@ def group_zscore(values: np.ndarray, group: np.ndarray, num_groups: int, eps: fl
     np.maximum.at(high, group, values)
     np.minimum.at(low, group, values)
     informative = (count >= 2) & (high > low) & (std >= std_floor)
-    return np.where(informative[group], deviation / (std[group] + eps), 0.0)
+    if baseline == "leave_one_out":
+        deviation = deviation * (count / np.maximum(count - 1, 1))[group]
+    if scale == "std":
+        deviation = deviation / (std[group] + eps)
+    return np.where(informative[group], deviation, 0.0)

@@ -29,7 +29,7 @@ CONFIDENCE = 0.95
 AUDIT_KEYS = ("audit/expected_mixed_groups", "audit/mixed_groups", "audit/expected_flips", "audit/flips",
               "audit/groups", "audit/anchors")
 # per-step metrics of a train run read for the plots
-STEP_KEYS = ("effective_ratio", "effective_token_ratio", "reward/mean", "tokens/generated", "accuracy/eval",
+STEP_KEYS = ("effective_ratio", "effective_token_ratio", "reward/mean", "tokens/generated", "accuracy/eval", "probe/gain",
              "tokens/cumulative", "rollout/cumulative_trajectories", "active_prompt_ratio", "predictor/brier",
              "mixed_group_ratio", "predictor/root_auc", *AUDIT_KEYS)
 # summary.md columns after the held-out accuracies: the training-summary keys whose run-level metric

@@ -25,6 +25,8 @@ PLOTS: dict[str, tuple[str, str, str | None]] = {
     "accuracy_vs_trajectories.png": ("accuracy/eval", "held-out greedy accuracy", "rollout/cumulative_trajectories"),
 }
 AUDIT_PLOT = "audit.png"
+# with train.probe_prompts: the probe's gain over the starting policy, a curve free of the per-step prompt draw
+PROBE_PLOT = ("probe_gain.png", "probe/gain", "probe success minus the starting policy's")
 X_LABELS = {None: "training step", "tokens/cumulative": "cumulative generated tokens",
             "rollout/cumulative_trajectories": "cumulative trajectories"}
 
@@ -129,8 +131,9 @@ def plot_audit(results: dict, path: str | Path, pass_k: int = 1) -> bool:
 
 
 def write_plots(results: dict, folder: str | Path, pass_k: int = 1) -> list[Path]:
-    """Every plot of ``PLOTS`` into ``folder`` (which must exist), in the table's order, then ``audit.png``
-    when the audit keys exist (an older ``audit.png`` is removed when they do not).
+    """Every plot of ``PLOTS`` into ``folder`` (which must exist), in the table's order, then ``probe_gain.png``
+    when a run logged ``probe/gain`` and ``audit.png`` when the audit keys exist (an older file of either is
+    removed when they do not).
 
     Returns:
         The PNG paths written.
@@ -140,6 +143,12 @@ def write_plots(results: dict, folder: str | Path, pass_k: int = 1) -> list[Path
         path = Path(folder) / name
         plot_band(results, key, ylabel, path, x_key=x_key)
         paths.append(path)
+    probe = Path(folder) / PROBE_PLOT[0]
+    if any(res["history"].get(PROBE_PLOT[1]) for by_seed in results.values() for res in by_seed.values()):
+        plot_band(results, PROBE_PLOT[1], PROBE_PLOT[2], probe)
+        paths.append(probe)
+    else:
+        probe.unlink(missing_ok=True)
     audit = Path(folder) / AUDIT_PLOT
     if plot_audit(results, audit, pass_k):
         paths.append(audit)

@@ -107,6 +107,37 @@ def question_rewards(greedy_trees: Sequence[RolloutTree]) -> dict[str, float]:
     return out
 
 
+def success_rates(policy, env: Environment, prompts: Sequence[Prompt], rollout_cfg: RolloutConfig, *, seed: int,
+                  samples: int, max_context_tokens: int, backend=None) -> dict[str, float]:
+    """Each prompt's success rate over ``samples`` sampled rollouts (``rollout.temperature``): mean@k per prompt.
+
+    With a fixed ``seed`` and prompt set, two policies are compared on the same sampling streams, which is
+    how the in-training probe measures a policy's gain over the one it started from.
+
+    Args:
+        policy: ``trace.policy.model.Policy``.
+        env: the task environment.
+        prompts: P prompts with distinct ``prompt_uid``.
+        rollout_cfg: the ``rollout`` section.
+        seed: the sampling seed.
+        samples: k >= 1 rollouts per prompt.
+        max_context_tokens: ``policy.max_context_tokens``.
+        backend: a ``GenerationBackend`` to reuse, or ``None``.
+
+    Returns:
+        ``{prompt_uid: mean reward of its k rollouts}`` (values in [0, 1] for 0/1 rewards).
+
+    Raises:
+        ValueError: ``samples < 1``, duplicate prompt uids or a prompt that fills the context.
+    """
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1, got {samples}")
+    trees = rollout_roots(policy, env, prompts, [samples] * len(prompts), sampling_spec(rollout_cfg, seed),
+                          step=-1, ablation="probe", backend=make_rollout_backend(policy, rollout_cfg, backend),
+                          max_context_tokens=max_context_tokens)
+    return {tree.prompt_uid: float(np.mean(tree.leaf_rewards())) for tree in trees}
+
+
 def sampled_success(policy, env: Environment, prompts: Sequence[Prompt], rollout_cfg: RolloutConfig, *,
                     seed: int, max_context_tokens: int, backend=None) -> float:
     """Mean reward of one sampled rollout per prompt (the warmup's success measure).

@@ -35,7 +35,7 @@ from trace.reporting.audit import audit_metrics
 from trace.training.checkpoint import load_checkpoint, write_checkpoint
 from trace.configuration.config import Config
 from trace.envs.base import Environment, Prompt
-from trace.training.evaluation import MetricsFn, evaluate_policy
+from trace.training.evaluation import MetricsFn, evaluate_policy, success_rates
 from trace.training.parallel import DataParallelSampler, all_gather_objects, barrier, is_main_process, rank, world_size
 from trace.sampling import make_rollout_backend, sampling_spec
 from trace.policy.lora import apply_lora
@@ -174,6 +174,7 @@ class Trainer:
 
         cfg, acfg = self.cfg, self.cfg.allocation
         t_step = time.perf_counter()
+        initial_probe = self._probe() if step == 0 and cfg.train.probe_prompts and is_main_process() else {}
         idx = candidate_indices(len(self.train_prompts), acfg.num_candidates, cfg.seed, step)
         candidates = [self.train_prompts[i] for i in idx]
         self._sync_weights()
@@ -199,8 +200,9 @@ class Trainer:
             for node in tree.nodes:
                 node.advantage = None
         if trees:
-            assign_advantages(trees, self.estimator, eps=cfg.advantages.eps, std_floor=cfg.advantages.std_floor,
-                              clip=cfg.advantages.clip)
+            adv = cfg.advantages
+            assign_advantages(trees, self.estimator, eps=adv.eps, std_floor=adv.std_floor, clip=adv.clip,
+                              baseline=adv.baseline, scale=adv.scale, negative_weight=adv.negative_weight)
         metrics.update(rollout_metrics(all_for_metrics, num_candidates=len(candidates)))
         metrics.update(audit_metrics(result))
         if result.is_filtered:
@@ -242,11 +244,41 @@ class Trainer:
                                     seed=step_seed(cfg.seed, 0, "eval"), backend=self.backend,
                                     max_context_tokens=cfg.policy.max_context_tokens)
             metrics["accuracy/eval"] = ev["accuracy/greedy"]
+            if cfg.train.probe_prompts:
+                probe = self._probe()
+                metrics["probe/success"] = probe["probe/success"]
+                metrics["probe/gain"] = probe["probe/success"] - self.initial_probe_success(initial_probe)
             timings["time/eval"] = time.perf_counter() - t0
+        if initial_probe:
+            metrics["probe/initial"] = initial_probe["probe/success"]
         timings["time/step"] = time.perf_counter() - t_step
         metrics.update(timings)
         self.log_metrics(metrics, step)
         return metrics
+
+    def _probe(self) -> dict[str, float]:
+        """Mean success of the policy now on the fixed probe set: the first ``train.probe_prompts`` training
+        prompts, ``train.probe_samples`` rollouts each, on the same sampling seeds at every call."""
+        tcfg = self.cfg.train
+        rates = success_rates(self.policy, self.env, self.train_prompts[: tcfg.probe_prompts], self.cfg.rollout,
+                              seed=step_seed(self.cfg.seed, 0, "probe"), samples=tcfg.probe_samples,
+                              max_context_tokens=self.cfg.policy.max_context_tokens, backend=self.backend)
+        return {"probe/success": float(np.mean(list(rates.values())))}
+
+    def initial_probe_success(self, measured_now: dict[str, float] | None = None) -> float:
+        """The starting policy's probe success: measured before step 0 (kept in the history, so a resumed
+        run reads it back).
+
+        Raises:
+            RuntimeError: the history has no step 0 with ``probe/initial`` (a checkpoint of a run without the probe).
+        """
+        if measured_now:
+            return measured_now["probe/success"]
+        for entry in self.history:
+            if "probe/initial" in entry:
+                return float(entry["probe/initial"])
+        raise RuntimeError("train.probe_prompts is set but the run's history holds no probe of the starting "
+                           "policy (probe/initial at step 0); start the run over (delete its checkpoint folder)")
 
     def run(self, until_step: int | None = None, on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
         """Run steps ``next_step .. until_step - 1`` (default ``train.num_steps``), checkpointing every
@@ -280,5 +312,8 @@ class Trainer:
         evals = [h["accuracy/eval"] for h in self.history if "accuracy/eval" in h]
         if evals:
             out["last/accuracy_eval"] = float(evals[-1])
+        gains = [h["probe/gain"] for h in self.history if "probe/gain" in h]
+        if gains:
+            out["last/probe_gain"] = float(gains[-1])
         out["tokens/cumulative"] = self.cumulative_tokens
         return out
