@@ -13,6 +13,7 @@ PORT ?= 4200
 PAPER_STEPS ?= 80
 PAPER_EVAL_EVERY ?= 20
 PAPER_EVAL_PROMPTS ?= 200
+PAPER_PROBE_PROMPTS ?= 256
 # The process environment (threads, DeepSpeed, Prefect, offline Hugging Face) is trace/configuration/process_env.py's table,
 # read with $(PYTHON) (standard library only, so before .venv exists); variables already set are kept.
 $(foreach assignment,$(shell $(PYTHON) -m trace.configuration.process_env --make),$(eval export $(assignment)))
@@ -62,11 +63,14 @@ run-grid: venv
 
 # The accuracy run: the default arms x train.seeds for PAPER_STEPS steps instead of train.num_steps, evaluated
 # in training on PAPER_EVAL_PROMPTS held-out questions (200: all of task.kgqa.num_eval) every PAPER_EVAL_EVERY steps and
-# checkpointed as often (a killed run resumes there); the shared stages (warmup included) come from the cache
-# when unchanged. Its report is the README's accuracy table (docs/results.md, "make run-paper").
+# checkpointed as often (a killed run resumes there), with the probe of PAPER_PROBE_PROMPTS training prompts at
+# each evaluation (train.probe_prompts: the gain over the warmup policy, free of the per-step prompt draw); the
+# shared stages (warmup included) come from the cache when unchanged. Its report is the README's accuracy table
+# (docs/results.md, "make run-paper").
 run-paper: venv
 	@set -- -S train.num_steps=$(PAPER_STEPS) -S train.eval_every=$(PAPER_EVAL_EVERY) \
-	  -S train.checkpoint_every=$(PAPER_EVAL_EVERY) -S train.eval_prompts=$(PAPER_EVAL_PROMPTS) && $(dvc_experiment)
+	  -S train.checkpoint_every=$(PAPER_EVAL_EVERY) -S train.eval_prompts=$(PAPER_EVAL_PROMPTS) \
+	  -S train.probe_prompts=$(PAPER_PROBE_PROMPTS) && $(dvc_experiment)
 
 # --durations: the slowest tests, printed at the end (where the suite's time goes)
 test: venv

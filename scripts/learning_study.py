@@ -49,9 +49,11 @@ DEFAULT_CANDIDATES: dict[str, dict[str, object]] = {
     "default": {},
     "neg-0.25": {"advantages.negative_weight": 0.25},
     "neg-0": {"advantages.negative_weight": 0.0},
-    "dr-grpo": {"advantages.scale": "none"},
-    "rloo": {"advantages.baseline": "leave_one_out", "advantages.scale": "none"},
     "neg-0.25-lr-6e-4": {"advantages.negative_weight": 0.25, "update.lr": 6.0e-4},
+    "neg-0-lr-6e-4": {"advantages.negative_weight": 0.0, "update.lr": 6.0e-4},
+    "dr-grpo": {"advantages.scale": "none"},
+    "group-16": {"allocation.group_size": 16},
+    "rloo": {"advantages.baseline": "leave_one_out", "advantages.scale": "none"},
 }
 
 

@@ -194,15 +194,12 @@ class AdvantageConfig(_Section):
     eps: float = Field(1e-6, gt=0, description="added to the std in z-scores")
     std_floor: float = Field(1e-3, ge=0, description="groups with std below this get advantage 0")
     clip: Optional[float] = Field(5.0, gt=0, description="clip |advantage| (None = no clip)")
-    baseline: Literal["mean", "leave_one_out"] = Field(
-        "mean", description="what a group's rewards are centred on: the group mean (GRPO), or the mean of the other "
-        "members (leave_one_out: RLOO, arXiv 2402.14740)")
-    scale: Literal["std", "none"] = Field(
-        "std", description="std: divide by the group's std (GRPO); none: keep the centred reward (Dr. GRPO, "
-        "arXiv 2503.20783), so groups near p = 0.5 weigh more than lopsided ones")
-    negative_weight: float = Field(
-        1.0, ge=0, le=1, description="multiplies every negative leaf-row advantage (after the clip): 1 = plain "
-        "policy gradient, < 1 down-weights pushing failed trajectories down (asymmetric REINFORCE, arXiv 2506.20520)")
+    baseline: Literal["mean", "leave_one_out"] = Field("mean", description="centre on the group mean (GRPO) or on "
+                                                       "the other members' mean (RLOO, arXiv 2402.14740)")
+    scale: Literal["std", "none"] = Field("std", description="divide by the group's std (GRPO) or not (Dr. GRPO, "
+                                          "arXiv 2503.20783)")
+    negative_weight: float = Field(1.0, ge=0, le=1, description="multiplies each negative leaf-row advantage after "
+                                   "the clip; < 1 favours successes (docs/method.md, Tree advantages)")
 
 
 class TrainConfig(_Section):
@@ -211,10 +208,8 @@ class TrainConfig(_Section):
     steps_per_task: int = Field(10, ge=1, description="training steps per Prefect task (orchestration overhead)")
     eval_every: int = Field(20, ge=1, description="greedy accuracy on held-out prompts every N steps (and at the end)")
     eval_prompts: int = Field(100, ge=1, description="held-out prompts for the in-training evaluation")
-    probe_prompts: int = Field(0, ge=0, description="training prompts of a fixed probe set, rolled out "
-                               "probe_samples times each with fixed seeds before the first step and at every "
-                               "evaluation: probe/success and probe/gain (over the starting policy) are a learning "
-                               "curve free of the per-step prompt draw; 0 = off")
+    probe_prompts: int = Field(0, ge=0, description="first N training prompts sampled probe_samples times each, "
+                               "on fixed seeds, before step 0 and at each evaluation (probe/gain); 0 = off")
     probe_samples: int = Field(4, ge=1, description="sampled rollouts per probe prompt")
     ablations: tuple[str, ...] = Field(tuple(ARMS), description="arms run by train@<ablation>-<seed> "
                                        "(names of trace.allocation.arms.ARMS)")
