@@ -550,6 +550,26 @@ def warmup_sweep_table(ctx: Context) -> str:
             f"[`{WARMUP_SWEEP.as_posix()}`]({ctx.link(WARMUP_SWEEP)}).")
 
 
+LEARNING_STUDY = RUNS / "learning-study" / "study.json"  # scripts.learning_study, the committed study
+
+
+def learning_study_table(ctx: Context) -> str:
+    """``scripts.learning_study``: per candidate setting, the held-out gain over the warmup, its difference from
+    the reference candidate (paired bootstrap over seeds and questions) and the probe's gain over the frozen policy."""
+    from scripts.learning_study import markdown
+
+    study = json.loads((ctx.root / LEARNING_STUDY).read_text())
+    reference = next(iter(study["candidates"]))
+    return (markdown(study["summary"], reference) + "\n\n"
+            f"`{study['arm']}` for {study['rl_steps']} steps at training seeds {', '.join(map(str, study['seeds']))} "
+            f"from one warmup policy (held-out greedy {study['warmup_held_out']:.3f} on the same "
+            f"{study['held_out_questions']} questions), {study['params']} with each candidate's overrides. Intervals: "
+            f"95 % paired bootstrap over questions and seeds; *real* only when it excludes 0. Probe: mean success of "
+            f"{study['probe_samples']} sampled rollouts on each of the first {study['probe_prompts']} training prompts, "
+            f"after minus before, same seeds. Measured at `{study['commit'][:7]}` on {study['machine']['cpu']} "
+            f"({study['machine']['cores']} cores). From [`{LEARNING_STUDY.as_posix()}`]({ctx.link(LEARNING_STUDY)}).")
+
+
 def step_dtype_table(ctx: Context) -> str:
     """The default step in float32 and bf16 (medians of its timers), the products under it, a stage's start-up."""
     res = ctx.benchmark("step_dtype")["results"]
@@ -620,6 +640,7 @@ def tables() -> dict[str, Callable[[Context], str]]:
     out["real-task-step"] = real_task_step_table
     out["step-dtype"] = step_dtype_table
     out["warmup-sweep"] = warmup_sweep_table
+    out["learning-study"] = learning_study_table
     out["data-files"] = data_files_table
     return out
 

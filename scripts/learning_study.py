@@ -54,6 +54,8 @@ DEFAULT_CANDIDATES: dict[str, dict[str, object]] = {
     "dr-grpo": {"advantages.scale": "none"},
     "group-16": {"allocation.group_size": 16},
     "rloo": {"advantages.baseline": "leave_one_out", "advantages.scale": "none"},
+    "group-4": {"allocation.group_size": 4},
+    "temp-0.7": {"rollout.temperature": 0.7},
 }
 
 
@@ -218,13 +220,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 
 def _cpu_name() -> str:
+    """The CPU's model name and whether it has AVX-512 and native bf16 (results differ between CPU kinds)."""
+    name, flags = platform.processor() or "unknown", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    simd = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{name} ({', '.join(simd) if simd else 'no AVX-512'})"
 
 
 def _cores() -> int:
