@@ -54,6 +54,7 @@ DEFAULT_CANDIDATES: dict[str, dict[str, object]] = {
     "dr-grpo": {"advantages.scale": "none"},
     "group-16": {"allocation.group_size": 16},
     "rloo": {"advantages.baseline": "leave_one_out", "advantages.scale": "none"},
+    "neg-0-lr-3e-4": {"advantages.negative_weight": 0.0, "update.lr": 3.0e-4},
     "group-4": {"allocation.group_size": 4},
     "temp-0.7": {"rollout.temperature": 0.7},
 }
