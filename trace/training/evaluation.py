@@ -108,7 +108,7 @@ def question_rewards(greedy_trees: Sequence[RolloutTree]) -> dict[str, float]:
 
 
 def success_rates(policy, env: Environment, prompts: Sequence[Prompt], rollout_cfg: RolloutConfig, *, seed: int,
-                  samples: int, max_context_tokens: int, backend=None) -> dict[str, float]:
+                  samples: int, max_context_tokens: int, backend=None, label: str = "probe") -> dict[str, float]:
     """Each prompt's success rate over ``samples`` sampled rollouts (``rollout.temperature``): mean@k per prompt.
 
     With a fixed ``seed`` and prompt set, two policies are compared on the same sampling streams, which is
@@ -123,6 +123,7 @@ def success_rates(policy, env: Environment, prompts: Sequence[Prompt], rollout_c
         samples: k >= 1 rollouts per prompt.
         max_context_tokens: ``policy.max_context_tokens``.
         backend: a ``GenerationBackend`` to reuse, or ``None``.
+        label: the trees' ablation label (``tree_id`` only; sampling does not read it).
 
     Returns:
         ``{prompt_uid: mean reward of its k rollouts}`` (values in [0, 1] for 0/1 rewards).
@@ -133,7 +134,7 @@ def success_rates(policy, env: Environment, prompts: Sequence[Prompt], rollout_c
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
     trees = rollout_roots(policy, env, prompts, [samples] * len(prompts), sampling_spec(rollout_cfg, seed),
-                          step=-1, ablation="probe", backend=make_rollout_backend(policy, rollout_cfg, backend),
+                          step=-1, ablation=label, backend=make_rollout_backend(policy, rollout_cfg, backend),
                           max_context_tokens=max_context_tokens)
     return {tree.prompt_uid: float(np.mean(tree.leaf_rewards())) for tree in trees}
 
@@ -154,7 +155,6 @@ def sampled_success(policy, env: Environment, prompts: Sequence[Prompt], rollout
     Returns:
         The mean leaf reward over the P rollouts.
     """
-    trees = rollout_roots(policy, env, prompts, [1] * len(prompts), sampling_spec(rollout_cfg, seed),
-                          step=-1, ablation="warmup", backend=make_rollout_backend(policy, rollout_cfg, backend),
-                          max_context_tokens=max_context_tokens)
-    return float(np.mean([t.leaf_rewards()[0] for t in trees]))
+    rates = success_rates(policy, env, prompts, rollout_cfg, seed=seed, samples=1,
+                          max_context_tokens=max_context_tokens, backend=backend, label="warmup")
+    return float(np.mean(list(rates.values())))
