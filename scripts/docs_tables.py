@@ -550,7 +550,7 @@ def warmup_sweep_table(ctx: Context) -> str:
             f"[`{WARMUP_SWEEP.as_posix()}`]({ctx.link(WARMUP_SWEEP)}).")
 
 
-LEARNING_STUDY = RUNS / "learning-study" / "study.json"  # scripts.learning_study, the committed study
+LEARNING_STUDY = RUNS / "learning-study-e794799" / "study.json"  # scripts.learning_study, library code of e794799
 
 
 def learning_study_table(ctx: Context) -> str:
@@ -559,15 +559,15 @@ def learning_study_table(ctx: Context) -> str:
     from scripts.learning_study import markdown
 
     study = json.loads((ctx.root / LEARNING_STUDY).read_text())
-    reference = next(iter(study["candidates"]))
-    return (markdown(study["summary"], reference) + "\n\n"
+    reference = study["order"][0]
+    return (markdown(study["summary"], reference, study["order"]) + "\n\n"
             f"`{study['arm']}` for {study['rl_steps']} steps at training seeds {', '.join(map(str, study['seeds']))} "
             f"from one warmup policy (held-out greedy {study['warmup_held_out']:.3f} on the same "
             f"{study['held_out_questions']} questions), {study['params']} with each candidate's overrides. Intervals: "
             f"95 % paired bootstrap over questions and seeds; *real* only when it excludes 0. Probe: mean success of "
             f"{study['probe_samples']} sampled rollouts on each of the first {study['probe_prompts']} training prompts, "
-            f"after minus before, same seeds. Measured at `{study['commit'][:7]}` on {study['machine']['cpu']} "
-            f"({study['machine']['cores']} cores). From [`{LEARNING_STUDY.as_posix()}`]({ctx.link(LEARNING_STUDY)}).")
+            f"after minus before, same seeds. On {study['machine']['cpu']} ({study['machine']['cores']} cores); the "
+            f"summary written at `{study['commit'][:7]}`, the runs' commit and times in the folder's README.md. From [`{LEARNING_STUDY.as_posix()}`]({ctx.link(LEARNING_STUDY)}).")
 
 
 def step_dtype_table(ctx: Context) -> str:

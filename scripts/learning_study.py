@@ -135,8 +135,8 @@ def summarize(rows: Sequence[dict], candidates: Sequence[str], warmup_rewards: d
     return out
 
 
-def markdown(summary: dict, reference: str) -> str:
-    """The study as a markdown table, one row per candidate."""
+def markdown(summary: dict, reference: str, order: Sequence[str] | None = None) -> str:
+    """The study as a markdown table, one row per candidate (in ``order``, default the summary's)."""
     def interval(d: dict | None) -> str:
         if d is None:
             return "-"
@@ -148,7 +148,8 @@ def markdown(summary: dict, reference: str) -> str:
     lines = [f"| candidate | overrides | seeds | held-out after | held-out gain over warmup | minus `{reference}` "
              "| probe gain over frozen (per seed) | train reward, last 10 steps |",
              "|---|---|---|---:|---:|---:|---:|---:|"]
-    for name, e in summary.items():
+    for name in order or list(summary):
+        e = summary[name]
         overrides = ", ".join(f"`{k}={v}`" for k, v in e["overrides"].items()) or "(params.yaml)"
         probe = f"{e['probe_gain_mean']:+.3f} ({', '.join(f'{g:+.3f}' for g in e['probe_gains'])})"
         lines.append(f"| `{name}` | {overrides} | {', '.join(map(str, e['seeds']))} | {e['held_out_after']:.3f} "
@@ -213,6 +214,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "probe_prompts": args.probe_prompts, "probe_samples": args.probe_samples, "eval_every": args.eval_every,
         "held_out_questions": len(held_out), "warmup_held_out": float(np.mean(list(warmup_rewards.values()))),
         "machine": {"cpu": _cpu_name(), "cores": _cores()}, "candidates": candidates, "summary": summary,
+        "order": list(summary),  # the JSON's keys are sorted: the table's row order, the reference first
         "runs": [{k: v for k, v in r.items() if k != "held_out"} for r in rows]})
     table = markdown(summary, next(iter(candidates)))
     (out / "study.md").write_text(table + "\n")
