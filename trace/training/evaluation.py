@@ -143,14 +143,7 @@ def sampled_success(policy, env: Environment, prompts: Sequence[Prompt], rollout
                     seed: int, max_context_tokens: int, backend=None) -> float:
     """Mean reward of one sampled rollout per prompt (the warmup's success measure).
 
-    Args:
-        policy: ``trace.policy.model.Policy``.
-        env: the task environment.
-        prompts: P prompts with distinct ``prompt_uid``.
-        rollout_cfg: the ``rollout`` section.
-        seed: the sampling seed.
-        max_context_tokens: ``policy.max_context_tokens``.
-        backend: a ``GenerationBackend`` to reuse, or ``None``.
+    Args: as ``success_rates``, with one sample per prompt.
 
     Returns:
         The mean leaf reward over the P rollouts.
