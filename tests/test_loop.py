@@ -195,8 +195,9 @@ def test_the_probe_measures_the_gain_over_the_starting_policy_and_survives_a_res
     monkeypatch.setattr(KGQAEnvironment, "step", first_turn_ends)
     # a large step, so that the policy after 3 updates samples other actions than the starting one
     settings_ = {"train.num_steps": 3, "train.eval_every": 2, "train.checkpoint_every": 2, "update.lr": 0.05}
-    plain = tiny_trainer("grpo", tmp_path / "plain", settings_)
-    probed = tiny_trainer("grpo", tmp_path / "probed", {**settings_, "train.probe_prompts": 8})
+    plain = tiny_trainer("grpo", tmp_path / "plain", {**settings_, "train.probe_prompts": 0})
+    probe = {"train.probe_prompts": 8, "train.probe_samples": 4}
+    probed = tiny_trainer("grpo", tmp_path / "probed", {**settings_, **probe})
     # the starting policy's probe, measured apart on the same prompts and seeds
     initial = success_rates(probed.policy, probed.env, probed.train_prompts[:8], probed.cfg.rollout,
                             seed=step_seed(0, 0, "probe"), samples=4, max_context_tokens=256)
@@ -215,8 +216,7 @@ def test_the_probe_measures_the_gain_over_the_starting_policy_and_survives_a_res
         b = read_trees(tree_path(probed.trees_root, "grpo", step))
         assert [[n.token_ids for n in t.nodes] for t in a] == [[n.token_ids for n in t.nodes] for t in b]
     # a run resumed after step 3 reads the starting policy's probe back from its checkpoint's history
-    resumed = tiny_trainer("grpo", tmp_path / "probed", {**settings_, "train.probe_prompts": 8,
-                                                         "train.num_steps": 4})
+    resumed = tiny_trainer("grpo", tmp_path / "probed", {**settings_, **probe, "train.num_steps": 4})
     assert resumed.resume() == 3  # the checkpoint at the end of the 3 steps
     last = resumed.run()[-1]
     assert last["probe/gain"] == pytest.approx(last["probe/success"] - probed_metrics[0]["probe/initial"])

@@ -95,6 +95,7 @@ class Trainer:
         self.next_step = 0
         self.checkpoint_step = 0  # next_step of the newest checkpoint saved or loaded
         self.history: list[dict] = []
+        self.probe_initial: float | None = None  # the starting policy's probe success (train.probe_prompts)
 
     # ---- paths and checkpoints ------------------------------------------------------------------------
     @property
@@ -125,6 +126,7 @@ class Trainer:
         self.next_step = int(state["next_step"])
         self.checkpoint_step = self.next_step
         self.history = list(state.get("history", []))[: self.next_step]
+        self.probe_initial = next((float(h["probe/initial"]) for h in self.history if "probe/initial" in h), None)
         return self.next_step
 
     def window_trees(self, step: int) -> list[RolloutTree]:
@@ -174,7 +176,8 @@ class Trainer:
 
         cfg, acfg = self.cfg, self.cfg.allocation
         t_step = time.perf_counter()
-        initial_probe = self._probe() if step == 0 and cfg.train.probe_prompts and is_main_process() else {}
+        if step == 0 and cfg.train.probe_prompts and is_main_process():
+            self.probe_initial = self._probe()
         idx = candidate_indices(len(self.train_prompts), acfg.num_candidates, cfg.seed, step)
         candidates = [self.train_prompts[i] for i in idx]
         self._sync_weights()
@@ -245,40 +248,36 @@ class Trainer:
                                     max_context_tokens=cfg.policy.max_context_tokens)
             metrics["accuracy/eval"] = ev["accuracy/greedy"]
             if cfg.train.probe_prompts:
-                probe = self._probe()
-                metrics["probe/success"] = probe["probe/success"]
-                metrics["probe/gain"] = probe["probe/success"] - self.initial_probe_success(initial_probe)
+                metrics["probe/success"] = self._probe()
+                metrics["probe/gain"] = metrics["probe/success"] - self._probe_start()
             timings["time/eval"] = time.perf_counter() - t0
-        if initial_probe:
-            metrics["probe/initial"] = initial_probe["probe/success"]
+        if step == 0 and self.probe_initial is not None:
+            metrics["probe/initial"] = self.probe_initial
         timings["time/step"] = time.perf_counter() - t_step
         metrics.update(timings)
         self.log_metrics(metrics, step)
         return metrics
 
-    def _probe(self) -> dict[str, float]:
+    def _probe(self) -> float:
         """Mean success of the policy now on the fixed probe set: the first ``train.probe_prompts`` training
         prompts, ``train.probe_samples`` rollouts each, on the same sampling seeds at every call."""
         tcfg = self.cfg.train
         rates = success_rates(self.policy, self.env, self.train_prompts[: tcfg.probe_prompts], self.cfg.rollout,
                               seed=step_seed(self.cfg.seed, 0, "probe"), samples=tcfg.probe_samples,
                               max_context_tokens=self.cfg.policy.max_context_tokens, backend=self.backend)
-        return {"probe/success": float(np.mean(list(rates.values())))}
+        return float(np.mean(list(rates.values())))
 
-    def initial_probe_success(self, measured_now: dict[str, float] | None = None) -> float:
-        """The starting policy's probe success: measured before step 0 (kept in the history, so a resumed
-        run reads it back).
+    def _probe_start(self) -> float:
+        """The starting policy's probe success, measured before step 0 (a resumed run reads it back from the
+        checkpoint's history, ``probe/initial`` at step 0).
 
         Raises:
-            RuntimeError: the history has no step 0 with ``probe/initial`` (a checkpoint of a run without the probe).
+            RuntimeError: no probe of the starting policy (a checkpoint of a run without the probe).
         """
-        if measured_now:
-            return measured_now["probe/success"]
-        for entry in self.history:
-            if "probe/initial" in entry:
-                return float(entry["probe/initial"])
-        raise RuntimeError("train.probe_prompts is set but the run's history holds no probe of the starting "
-                           "policy (probe/initial at step 0); start the run over (delete its checkpoint folder)")
+        if self.probe_initial is None:
+            raise RuntimeError("train.probe_prompts is set but the run's history holds no probe of the starting "
+                               "policy (probe/initial at step 0); start the run over (delete its checkpoint folder)")
+        return self.probe_initial
 
     def run(self, until_step: int | None = None, on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
         """Run steps ``next_step .. until_step - 1`` (default ``train.num_steps``), checkpointing every
