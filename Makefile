@@ -4,14 +4,16 @@
 #   make run-grid  the same pipeline over every arm (the full grid) as a DVC experiment; with POOL=<work pool>,
 #                  one job per arm and seed on that pool's Prefect workers (flows.grid, docs/scale.md)
 #   make run-paper the accuracy run: the default arms and seeds for PAPER_STEPS RL steps, evaluated on the
-#                  whole held-out set every PAPER_EVAL_EVERY steps, as one DVC experiment (docs/results.md)
+#                  whole held-out set (greedy and avg@PAPER_EVAL_SAMPLES) every PAPER_EVAL_EVERY steps, as one DVC
+#                  experiment (docs/results.md)
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PORT ?= 4200
-PAPER_STEPS ?= 80
-PAPER_EVAL_EVERY ?= 20
+PAPER_STEPS ?= 160
+PAPER_EVAL_EVERY ?= 40
+PAPER_EVAL_SAMPLES ?= 8
 PAPER_EVAL_PROMPTS ?= 200
 PAPER_PROBE_PROMPTS ?= 256
 # The process environment (threads, DeepSpeed, Prefect, offline Hugging Face) is trace/configuration/process_env.py's table,
@@ -62,7 +64,8 @@ run-grid: venv
 	  $(dvc_experiment)
 
 # The accuracy run: the default arms x train.seeds for PAPER_STEPS steps instead of train.num_steps, evaluated
-# in training on PAPER_EVAL_PROMPTS held-out questions (200: all of task.kgqa.num_eval) every PAPER_EVAL_EVERY steps and
+# in training on PAPER_EVAL_PROMPTS held-out questions (200: all of task.kgqa.num_eval) every PAPER_EVAL_EVERY steps,
+# greedy and avg@k of PAPER_EVAL_SAMPLES sampled rollouts each on fixed seeds (train.eval_samples), and
 # checkpointed as often (a killed run resumes there), with the probe of PAPER_PROBE_PROMPTS training prompts at
 # each evaluation (train.probe_prompts: the gain over the warmup policy, free of the per-step prompt draw); the
 # shared stages (warmup included) come from the cache when unchanged. Its report is the README's accuracy table
@@ -70,6 +73,7 @@ run-grid: venv
 run-paper: venv
 	@set -- -S train.num_steps=$(PAPER_STEPS) -S train.eval_every=$(PAPER_EVAL_EVERY) \
 	  -S train.checkpoint_every=$(PAPER_EVAL_EVERY) -S train.eval_prompts=$(PAPER_EVAL_PROMPTS) \
+	  -S train.eval_samples=$(PAPER_EVAL_SAMPLES) \
 	  -S train.probe_prompts=$(PAPER_PROBE_PROMPTS) && $(dvc_experiment)
 
 # --durations: the slowest tests, printed at the end (where the suite's time goes)

@@ -5,8 +5,9 @@ means the policy memorised questions instead of learning the task.
 
 One run per arm and training seed (``--seed``, default the global seed), sampling with that seed
 (``run_config``). ``data/eval/<ablation>/s<seed>.json`` holds the held-out metrics and each held-out
-question's greedy reward by ``prompt_uid`` (``greedy_by_question``: the report pairs the arms and the warmup
-question by question). Besides it the stage writes the DVC metrics file
+question's greedy reward and sampled success (mean reward of its ``evaluate.pass_k`` sampled rollouts) by
+``prompt_uid`` (``greedy_by_question``, ``sampled_by_question``: the report pairs the arms and the warmup
+question by question, for greedy accuracy and for avg@k). Besides it the stage writes the DVC metrics file
 ``metrics/ablations/<ablation>/s<seed>.json``:
 the held-out accuracies and the training summary (means over steps of effective ratio, reward, ...; wall
 times left out, they differ between identical runs), which ``dvc exp show`` and ``dvc metrics diff``
@@ -32,9 +33,9 @@ def arm_metrics(eval_metrics: dict, train_summary: dict) -> dict:
 @flow(name="evaluate", log_prints=False)
 def evaluate_flow(params: str, ablation: str, seed: int | None = None) -> dict:
     from trace.configuration.params_file import load_config
-    from trace.training.evaluation import evaluate_policy, question_rewards
+    from trace.training.evaluation import evaluate_policy, question_rewards, sampled_question_rewards
     from trace.tracking import arm_result_metrics
-    from trace.tracking.names import QUESTIONS_KEY, TRAIN_ACCURACY_PREFIX
+    from trace.tracking.names import QUESTIONS_KEY, SAMPLED_QUESTIONS_KEY, TRAIN_ACCURACY_PREFIX
 
     base = load_config(params)
     env = build_environment(base)  # the task as prepared: built from the global seed
@@ -46,7 +47,8 @@ def evaluate_flow(params: str, ablation: str, seed: int | None = None) -> dict:
         metrics, trees = evaluate_policy(policy, env, evals, cfg.rollout, seed=cfg.seed,
                                          max_context_tokens=cfg.policy.max_context_tokens,
                                          pass_k=cfg.evaluate.pass_k, temperature=cfg.evaluate.temperature)
-        by_question = question_rewards(trees[: len(evals)])  # the greedy trees come first
+        by_question = question_rewards(trees[: len(evals)])  # the greedy trees come first, then the sampled
+        sampled_by_question = sampled_question_rewards(trees[len(evals):])
         train_metrics, _ = evaluate_policy(policy, env, read_split("train")[: cfg.evaluate.num_prompts], cfg.rollout,
                                            seed=cfg.seed, max_context_tokens=cfg.policy.max_context_tokens,
                                            prefix=TRAIN_ACCURACY_PREFIX)  # memorisation: train vs held-out
@@ -55,7 +57,8 @@ def evaluate_flow(params: str, ablation: str, seed: int | None = None) -> dict:
         # the arm's results (arm/*) first: MLflow's compare view starts with a run's first metric
         run.log_metrics({**arm_result_metrics(metrics, summary, cfg.evaluate.pass_k), **metrics})
         write_json(eval_path(ablation, cfg.seed), {"ablation": ablation, "seed": cfg.seed, **metrics,
-                                                   QUESTIONS_KEY: by_question})
+                                                   QUESTIONS_KEY: by_question,
+                                                   SAMPLED_QUESTIONS_KEY: sampled_by_question})
         write_json(METRICS / "ablations" / ablation / f"s{cfg.seed}.json", arm_metrics(metrics, summary))
     print({k: round(v, 4) for k, v in metrics.items()})
     return metrics

@@ -60,7 +60,7 @@ def report_flow(params: str) -> dict:
     REPORTS.mkdir(parents=True, exist_ok=True)
     warmup_path = METRICS / "warmup.json"
     warmup = json.loads(warmup_path.read_text()) if warmup_path.is_file() else {}
-    results, warmup_questions = attach_question_results(results, eval_path, WARMUP_EVAL, warmup)
+    results, warmup_questions = attach_question_results(results, eval_path, WARMUP_EVAL, warmup, cfg.evaluate.pass_k)
     plots = write_plots(results, REPORTS, cfg.evaluate.pass_k)
     client = MlflowClient(resolve_tracking_uri(cfg.tracking.tracking_uri))
     first, eval_ids = first_runs(results), evaluate_run_ids(results)
@@ -72,7 +72,7 @@ def report_flow(params: str) -> dict:
                                                         [p.name for p in plots],
                                                         num_eval=cfg.evaluate.num_prompts,
                                                         warmup_questions=warmup_questions))
-    table = metrics_table(results, cfg.evaluate.pass_k)
+    table = metrics_table(results, cfg.evaluate.pass_k, warmup=warmup, warmup_questions=warmup_questions)
     write_json(REPORTS / "metrics.json", {"warmup": warmup, "ablations": table})
     print((REPORTS / "summary.md").read_text())
     return table

@@ -4,8 +4,8 @@ The tiny default policy is a Qwen3 model built from ``policy`` params with a wor
 task's vocabulary; a pretrained policy (``policy.kind: pretrained``) is loaded as is and SFT is skipped
 unless the task has a solver. The kept weights and the held-out accuracy after warmup are the baseline
 every ablation's evaluation is compared with: ``metrics/warmup.json`` (DVC metrics) and
-``data/eval/warmup.json`` (the held-out metrics and each question's greedy reward by ``prompt_uid``, which the
-report pairs with the arms' evaluations question by question).
+``data/eval/warmup.json`` (the held-out metrics and each question's greedy reward and sampled success by
+``prompt_uid``, which the report pairs with the arms' evaluations question by question).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ WARMUP_EVAL = EVAL / "warmup.json"  # the warmup policy's held-out evaluation wi
 def warmup_flow(params: str) -> dict:
     from trace.configuration.params_file import load_config
     from trace.envs.base import Demonstrates
-    from trace.training.evaluation import evaluate_policy, question_rewards
+    from trace.training.evaluation import evaluate_policy, question_rewards, sampled_question_rewards
     from trace.policy.build import build_policy
     from trace.policy.model import save_policy
     from trace.training.warmup import run_warmup
-    from trace.tracking.names import QUESTIONS_KEY, TRAIN_ACCURACY_PREFIX
+    from trace.tracking.names import QUESTIONS_KEY, SAMPLED_QUESTIONS_KEY, TRAIN_ACCURACY_PREFIX
 
     cfg = load_config(params)
     env = build_environment(cfg)
@@ -47,7 +47,8 @@ def warmup_flow(params: str) -> dict:
                                          max_context_tokens=cfg.policy.max_context_tokens,
                                          pass_k=cfg.evaluate.pass_k, temperature=cfg.evaluate.temperature)
         summary.update(metrics)
-        by_question = question_rewards(trees[: len(held_out)])  # the greedy trees come first
+        by_question = question_rewards(trees[: len(held_out)])  # the greedy trees come first, then the sampled
+        sampled_by_question = sampled_question_rewards(trees[len(held_out):])
         train_metrics, _ = evaluate_policy(policy, env, train[: cfg.evaluate.num_prompts], cfg.rollout, seed=cfg.seed,
                                            max_context_tokens=cfg.policy.max_context_tokens,
                                            prefix=TRAIN_ACCURACY_PREFIX)  # memorisation: train vs held-out
@@ -55,7 +56,7 @@ def warmup_flow(params: str) -> dict:
         run.log_metrics(summary)
         save_policy(policy, WARMUP_MODEL)
         write_json(METRICS / "warmup.json", summary)
-        write_json(WARMUP_EVAL, {**metrics, QUESTIONS_KEY: by_question})
+        write_json(WARMUP_EVAL, {**metrics, QUESTIONS_KEY: by_question, SAMPLED_QUESTIONS_KEY: sampled_by_question})
     print({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()})
     return summary
 

@@ -220,3 +220,44 @@ def test_the_probe_measures_the_gain_over_the_starting_policy_and_survives_a_res
     assert resumed.resume() == 3  # the checkpoint at the end of the 3 steps
     last = resumed.run()[-1]
     assert last["probe/gain"] == pytest.approx(last["probe/success"] - probed_metrics[0]["probe/initial"])
+
+
+@pytest.mark.slow
+def test_the_in_training_avg_at_k_samples_the_same_streams_at_every_evaluation(tmp_path, monkeypatch):
+    import zlib
+
+    import trace.training.loop as loop
+    from trace.envs.kgqa import KGQAEnvironment
+    from trace.training.evaluation import evaluate_policy
+
+    real_step = KGQAEnvironment.step
+
+    def first_turn_ends(self, state, action):  # success rates strictly between 0 and 1 (see the probe test)
+        result = real_step(self, state, action)
+        return dataclasses.replace(result, state=dataclasses.replace(result.state, done=True), observation="",
+                                   reward=float(zlib.crc32(repr(action).encode()) % 2), terminated=True,
+                                   truncated=False)
+
+    monkeypatch.setattr(KGQAEnvironment, "step", first_turn_ends)
+    calls = []
+
+    def recording(*args, **kwargs):
+        calls.append((kwargs["seed"], kwargs["pass_k"], kwargs["temperature"]))
+        return evaluate_policy(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "evaluate_policy", recording)
+    trainer = tiny_trainer("grpo", tmp_path / "run", {"train.num_steps": 2, "train.eval_every": 1,
+                                                      "train.eval_samples": 4, "train.eval_prompts": 16})
+    metrics = trainer.run()
+    seed = step_seed(trainer.cfg.seed, 0, "eval")
+    assert calls == [(seed, 4, trainer.cfg.evaluate.temperature)] * 2  # one seed for every point of the curve
+    # the last point is the final policy on those streams: measured again apart, the same avg@3
+    again, _ = evaluate_policy(trainer.policy, trainer.env, trainer.eval_prompts[:16], trainer.cfg.rollout, seed=seed,
+                               max_context_tokens=trainer.cfg.policy.max_context_tokens, pass_k=4,
+                               temperature=trainer.cfg.evaluate.temperature)
+    assert metrics[-1]["accuracy/eval_sampled"] == again["accuracy/mean@4"]
+    assert 0.0 < metrics[-1]["accuracy/eval_sampled"] < 1.0
+    assert trainer.summary()["last/accuracy_eval_sampled"] == metrics[-1]["accuracy/eval_sampled"]
+    # without train.eval_samples the curve is greedy only
+    plain = tiny_trainer("grpo", tmp_path / "plain", {"train.num_steps": 1, "train.eval_every": 1})
+    assert "accuracy/eval_sampled" not in plain.run()[-1]

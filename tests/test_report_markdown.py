@@ -16,15 +16,18 @@ from trace.tracking.names import SUMMARY_METRIC_NAMES
 # one seed: trace and grpo tie on held-out accuracy (0.400); trace ranks first on effective ratio (0.9 > 0.6);
 # an arm without results ranks last with nan everywhere; 12345 generated tokens print with a thousands
 # separator. grpo ends training at 0.40 held-out accuracy; trace passes 0.40 between 100 tokens (0.30) and
-# 200 tokens (0.50), at 150; tree_random never evaluates
+# 200 tokens (0.50), at 150; tree_random never evaluates. On the avg@k curve grpo ends at 0.35; trace passes 0.35
+# between 100 tokens (0.20) and 200 tokens (0.40), at 100 + 100 * 0.15 / 0.20 = 175
 ONE_SEED = {
     "grpo": {0: {"run_id": "r1", "experiment_id": "7", "eval_run_id": "e1",
-                 "history": {"accuracy/eval": [(0, 0.2), (1, 0.4)], "tokens/cumulative": [(0, 100.0), (1, 200.0)]},
+                 "history": {"accuracy/eval": [(0, 0.2), (1, 0.4)], "accuracy/eval_sampled": [(0, 0.25), (1, 0.35)],
+                             "tokens/cumulative": [(0, 100.0), (1, 200.0)]},
                  "summary": {"arm/eff_ratio": 0.6, "arm/eff_tok_ratio": 0.55, "arm/active_prompts": 0.3,
                              "arm/reward": 0.5, "arm/tokens": 12345.0, "arm/traj_step": 16.0, "arm/sec_step": 0.25},
                  "eval": {"accuracy/greedy": 0.4, "accuracy/mean_at_2": 0.35, "accuracy/pass_at_2": 0.5}}},
     "trace": {0: {"run_id": "r2", "experiment_id": "7",
-                  "history": {"accuracy/eval": [(0, 0.3), (1, 0.5)], "tokens/cumulative": [(0, 100.0), (1, 200.0)]},
+                  "history": {"accuracy/eval": [(0, 0.3), (1, 0.5)], "accuracy/eval_sampled": [(0, 0.2), (1, 0.4)],
+                              "tokens/cumulative": [(0, 100.0), (1, 200.0)]},
                   "summary": {"arm/eff_ratio": 0.9}, "eval": {"accuracy/greedy": 0.4}}},
     "tree_random": {0: {"run_id": "r3", "experiment_id": "7", "history": {}, "summary": {}}},
 }
@@ -53,11 +56,30 @@ ONE_SEED_TEXT = (
     "(no value); effective ratio nan (no value); effective token ratio nan (no value); generated tokens nan "
     "(no value).\n"
     "\n## Sample efficiency\n\n"
-    "Generated tokens to reach grpo's final in-training held-out accuracy (0.400, mean over seeds of its last "
+    "Generated tokens to reach grpo's final in-training held-out greedy accuracy (0.400, mean over seeds of its last "
     "`accuracy/eval`): per seed the first crossing of accuracy against cumulative generated tokens, linearly "
     "interpolated; mean over the seeds that reach it.\n\n"
     "| ablation | tokens to 0.400 | seeds reaching |\n|---|---:|---:|\n"
-    "| trace | 150 | 1/1 |\n| grpo | 200 | 1/1 |\n| tree_random | not reached | 0/1 |\n\n")
+    "| trace | 150 | 1/1 |\n| grpo | 200 | 1/1 |\n| tree_random | not reached | 0/1 |\n"
+    "\n## Sample efficiency, avg@k\n\n"
+    "Generated tokens to reach grpo's final in-training held-out avg@k (0.350, mean over seeds of its last "
+    "`accuracy/eval_sampled`): per seed the first crossing of accuracy against cumulative generated tokens, "
+    "linearly interpolated; mean over the seeds that reach it.\n\n"
+    "| ablation | tokens to 0.350 | seeds reaching |\n|---|---:|---:|\n"
+    "| trace | 175 | 1/1 |\n| grpo | 200 | 1/1 |\n| tree_random | not reached | 0/1 |\n\n")
+# with the warmup's accuracies (greedy 0.300, avg@2 0.250): every evaluated arm's gain over it, grpo +0.100 in both
+# (0.400 - 0.300, 0.350 - 0.250), trace +0.100 greedy and no avg@2 (its evaluation logged none); tree_random
+# never evaluated, so it has no row
+GAIN_TEXT = (
+    "\n## Gain over warmup\n\n"
+    "Held-out accuracy after RL minus the warmup policy's, mean and 95% interval: a paired bootstrap over the "
+    "held-out questions and seeds where per-question results exist (the warmup's own evaluation error included), "
+    "real only when it and the t-interval over seeds both exclude 0. Greedy: one rollout at temperature 0 "
+    "(Search-R1's exact match); avg@2: the mean reward of 2 sampled rollouts per question (DeepScaleR's avg@k, "
+    "verl's mean@k).\n\n"
+    "| ablation | Δ greedy | Δ avg@2 |\n|---|---:|---:|\n"
+    "| trace | +0.100 (one seed, no interval) | nan |\n"
+    "| grpo | +0.100 (one seed, no interval) | +0.100 (one seed, no interval) |\n")
 
 
 def _seeded(values: dict[str, list[float]], curves: list[list[float]] | None = None,
@@ -92,10 +114,14 @@ THREE_SEEDS = {
 
 def test_summary_markdown_is_byte_for_byte_the_documented_report():
     links = {"runs": "http://ui/runs", "compare": "http://ui/compare"}
-    text = render_markdown(ONE_SEED, {"accuracy/greedy": 0.3}, 2, links, ["a.png", "b.png"])
+    text = render_markdown(ONE_SEED, {"accuracy/greedy": 0.3, "accuracy/mean@2": 0.25}, 2, links, ["a.png", "b.png"])
+    vs_grpo, efficiency = ONE_SEED_TEXT.split("\n## Sample efficiency\n")
     assert text == ("# Ablation report\n\nHeld-out greedy accuracy after warmup: **0.300**.\n"
-                    "- grpo's gain in held-out greedy accuracy over warmup: +0.100 (one seed, no interval).\n\n"
-                    + ONE_SEED_TEXT +
+                    "- grpo's gain in held-out greedy accuracy over warmup: +0.100 (one seed, no interval).\n"
+                    "- Held-out avg@2 after warmup (mean reward of 2 sampled rollouts per question, DeepScaleR's / "
+                    "verl's mean@k): **0.250**.\n"
+                    "- grpo's gain in held-out avg@2 over warmup: +0.100 (one seed, no interval).\n\n"
+                    + vs_grpo + GAIN_TEXT + "\n## Sample efficiency\n" + efficiency +
                     "Plots: `a.png`, `b.png`.\n\n"
                     "MLflow (`make ui`): [the arms' results](http://ui/runs) (every seed's evaluate run, grouped by "
                     "arm with the mean over seeds: `arm/acc`, `arm/eff_ratio`, ...), "

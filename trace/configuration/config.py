@@ -208,6 +208,8 @@ class TrainConfig(_Section):
     steps_per_task: int = Field(10, ge=1, description="training steps per Prefect task (orchestration overhead)")
     eval_every: int = Field(20, ge=1, description="greedy accuracy on held-out prompts every N steps (and at the end)")
     eval_prompts: int = Field(100, ge=1, description="held-out prompts for the in-training evaluation")
+    eval_samples: int = Field(0, ge=0, description="k sampled rollouts per held-out prompt at each in-training "
+                              "evaluation (evaluate.temperature, fixed seeds): accuracy/eval_sampled, avg@k; 0 = greedy only")
     probe_prompts: int = Field(0, ge=0, description="first N training prompts sampled probe_samples times each, "
                                "on fixed seeds, before step 0 and at each evaluation (probe/gain); 0 = off")
     probe_samples: int = Field(4, ge=1, description="sampled rollouts per probe prompt")
@@ -251,7 +253,7 @@ class SeedRolloutConfig(_Section):
 
 class EvaluateConfig(_Section):
     num_prompts: int = Field(200, ge=1, description="held-out prompts")
-    pass_k: int = Field(4, ge=1, description="samples per prompt for pass@k")
+    pass_k: int = Field(8, ge=1, description="k sampled rollouts per prompt: avg@k (mean@k) and pass@k")
     temperature: float = Field(1.0, gt=0, description="sampling temperature for pass@k")
 
 

@@ -41,7 +41,7 @@ STAGE_PARAMS: dict[str, tuple[str, ...]] = {
     "fit_predictor": ("seed", "task", "policy", "predictor"),
     "train": ("seed", "task", "policy", "rollout", "predictor", "allocation", "advantages", "update",
               "train.num_steps", "train.checkpoint_every", "train.eval_every", "train.eval_prompts",
-              "train.probe_prompts", "train.probe_samples"),
+              "train.eval_samples", "train.probe_prompts", "train.probe_samples", "evaluate.temperature"),
     "evaluate": ("seed", "task", "policy", "rollout", "evaluate"),
     "report": ("seed", "train.ablations", "train.seeds", "evaluate.pass_k", "evaluate.num_prompts", "tracking"),
 }

@@ -19,8 +19,8 @@ from typing import Mapping, Sequence
 
 from trace.reporting.report_questions import bootstrap_against, bootstrap_gain
 from trace.reporting.statistics import mean_interval, paired_difference, tokens_to_target
-from trace.tracking.names import GREEDY_ACCURACY, SUMMARY_METRIC_NAMES, TRAIN_ACCURACY_PREFIX, metric_key, \
-    pass_at_k_name
+from trace.tracking.names import EVAL_ACCURACY, EVAL_SAMPLED_ACCURACY, GREEDY_ACCURACY, SUMMARY_METRIC_NAMES, \
+    TRAIN_ACCURACY_PREFIX, metric_key, pass_at_k_name, sampled_accuracy_name
 from trace.tracking.runs import finished_runs
 
 BASELINE = "grpo"  # the arm every other arm is paired against
@@ -29,13 +29,16 @@ CONFIDENCE = 0.95
 AUDIT_KEYS = ("audit/expected_mixed_groups", "audit/mixed_groups", "audit/expected_flips", "audit/flips",
               "audit/groups", "audit/anchors")
 # per-step metrics of a train run read for the plots
-STEP_KEYS = ("effective_ratio", "effective_token_ratio", "reward/mean", "tokens/generated", "accuracy/eval", "probe/gain",
+STEP_KEYS = ("effective_ratio", "effective_token_ratio", "reward/mean", "tokens/generated", EVAL_ACCURACY, EVAL_SAMPLED_ACCURACY,
+             "probe/gain",
              "tokens/cumulative", "rollout/cumulative_trajectories", "active_prompt_ratio", "predictor/brier",
              "mixed_group_ratio", "predictor/root_auc", *AUDIT_KEYS)
 # summary.md columns after the held-out accuracies: the training-summary keys whose run-level metric
 # (``SUMMARY_METRIC_NAMES``) each shows
 TABLE_SUMMARY_KEYS = ("mean/effective_ratio", "mean/effective_token_ratio", "mean/active_prompt_ratio",
                       "mean/reward/mean", "tokens/cumulative", "mean/rollout/trajectories", "mean/time/step")
+# held-out accuracy columns, their measure (trace.reporting.report_questions.MEASURES) and in-training curve key
+ACCURACY_COLUMNS = {"eval greedy": ("greedy", EVAL_ACCURACY), "eval mean@k": ("sampled", EVAL_SAMPLED_ACCURACY)}
 # the columns whose differences against grpo the report states: (column, words)
 PAIRED_COLUMNS = (("eval greedy", "held-out greedy accuracy"), ("eval mean@k", "held-out sampled accuracy"),
                   ("effective ratio", "effective ratio"), ("effective token ratio", "effective token ratio"),
@@ -141,36 +144,62 @@ def _column_values(res: dict, pass_k: int) -> dict[str, float]:
     return values
 
 
-def final_accuracy(res: dict) -> float:
-    """The run's last in-training held-out accuracy (``accuracy/eval``), NaN without one."""
-    points = res["history"].get("accuracy/eval") or []
+def final_accuracy(res: dict, key: str = EVAL_ACCURACY) -> float:
+    """The run's last in-training held-out accuracy (``key``: ``accuracy/eval`` greedy or
+    ``accuracy/eval_sampled`` avg@k), NaN without one."""
+    points = res["history"].get(key) or []
     return float(points[-1][1]) if points else float("nan")
 
 
-def accuracy_curve(res: dict, x_key: str) -> tuple[list[float], list[float]]:
-    """``(xs, accuracies)`` of a run: ``accuracy/eval`` at the steps that also logged ``x_key``."""
+def accuracy_curve(res: dict, x_key: str, key: str = EVAL_ACCURACY) -> tuple[list[float], list[float]]:
+    """``(xs, accuracies)`` of a run: ``key`` (greedy or avg@k in-training accuracy) at the steps that also
+    logged ``x_key``."""
     xs_by_step = dict(res["history"].get(x_key) or [])
-    pts = [(xs_by_step[s], v) for s, v in res["history"].get("accuracy/eval") or [] if s in xs_by_step]
+    pts = [(xs_by_step[s], v) for s, v in res["history"].get(key) or [] if s in xs_by_step]
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def arm_statistics(results: dict, pass_k: int, confidence: float = CONFIDENCE) -> dict:
-    """Per arm: means and intervals over seeds, paired differences against ``grpo``, tokens to grpo's final
-    accuracy, and the audit means.
+def _warmup_gain(by_seed: Mapping[int, dict], warmup: Mapping[str, float], warmup_questions, column: str,
+                 pass_k: int, confidence: float):
+    """One arm's held-out accuracy minus the warmup's: a paired bootstrap over questions and seeds where
+    per-question results exist (its ``seed_interval`` the t-interval over seeds), else the t-interval over
+    seeds of the differences (which leaves out the warmup evaluation's own error). None without the warmup's
+    accuracy."""
+    measure = ACCURACY_COLUMNS[column][0]
+    name = GREEDY_ACCURACY if measure == "greedy" else sampled_accuracy_name(pass_k)
+    base = warmup.get(name, warmup.get(metric_key(name)))
+    if base is None:
+        return None
+    boot = bootstrap_gain(by_seed, warmup_questions, confidence, measure)
+    if boot is not None:
+        return boot
+    values = [_column_values(res, pass_k)[column] - base for res in by_seed.values() if "eval" in res]
+    return mean_interval(values, confidence) if values else None
+
+
+def arm_statistics(results: dict, pass_k: int, confidence: float = CONFIDENCE,
+                   warmup: Mapping[str, float] | None = None,
+                   warmup_questions: Mapping[str, Mapping[str, float]] | None = None) -> dict:
+    """Per arm: means and intervals over seeds, paired differences against ``grpo`` and gains over the warmup
+    (greedy and avg@k), tokens to grpo's final accuracy (on each in-training curve), and the audit means.
 
     Args:
-        results: ``collect_results`` output, with ``"questions"`` per seed where its evaluation kept
-            per-question results (``trace.reporting.report_questions.attach_question_results``).
-        pass_k: ``evaluate.pass_k`` (names the sampled-accuracy columns).
+        results: ``collect_results`` output, with ``"questions"`` / ``"sampled_questions"`` per seed where its
+            evaluation kept per-question results (``trace.reporting.report_questions.attach_question_results``).
+        pass_k: ``evaluate.pass_k`` (names the sampled-accuracy columns: ``eval mean@k`` is avg@k).
         confidence: interval coverage.
+        warmup: the warmup stage's metrics (``accuracy/greedy``, ``accuracy/mean_at_<k>``), or None: no gains.
+        warmup_questions: the warmup's per-question results (``attach_question_results``), or None.
 
     Returns:
-        ``{"target": Interval of grpo's final accuracy or None, "arms": {ablation: {"seeds": [..],
-        "columns": {column: Interval}, "vs_grpo": {column: Interval} (absent for grpo and without grpo; its
-        ``eval greedy`` a paired bootstrap over questions and seeds where every paired seed has per-question
-        results, else like the other columns a paired t-interval over seeds),
-        "tokens_to_target": Interval over the seeds that reach it or None, "reached": int,
-        "audit": {key: Interval of per-step means} (only keys some seed logged)}}}``.
+        ``{"target": Interval of grpo's final greedy in-training accuracy or None, "target_sampled": the same
+        of its avg@k or None, "arms": {ablation: {"seeds": [..], "columns": {column: Interval}, "vs_grpo":
+        {column: Interval} (absent for grpo and without grpo; its ``eval greedy`` and ``eval mean@k`` a paired
+        bootstrap over questions and seeds where every paired seed has per-question results, else like the
+        other columns a paired t-interval over seeds), "vs_warmup": {"eval greedy", "eval mean@k": Interval}
+        (the columns the warmup has; bootstrap as above), "tokens_to_target" / "tokens_to_target_sampled":
+        Interval over the seeds that reach it or None, "reached" / "reached_sampled": int, "audit": {key:
+        Interval of per-step means} (only keys some seed logged)}}}``.
 
     References:
         docs/method.md, "Statistics over seeds".
@@ -178,10 +207,13 @@ def arm_statistics(results: dict, pass_k: int, confidence: float = CONFIDENCE) -
     per_seed = {abl: {seed: _column_values(res, pass_k) for seed, res in by_seed.items()}
                 for abl, by_seed in results.items()}
     base = per_seed.get(BASELINE)
-    target = None
-    if BASELINE in results:
-        target = mean_interval([final_accuracy(r) for r in results[BASELINE].values()], confidence)
-        target = target if target.n else None
+    targets: dict[str, object] = {}
+    for column, (_, curve_key) in ACCURACY_COLUMNS.items():
+        target = None
+        if BASELINE in results:
+            target = mean_interval([final_accuracy(r, curve_key) for r in results[BASELINE].values()], confidence)
+            target = target if target.n else None
+        targets[column] = target
     arms: dict = {}
     for abl, by_seed in per_seed.items():
         columns = {c: mean_interval([v[c] for v in by_seed.values()], confidence)
@@ -191,17 +223,24 @@ def arm_statistics(results: dict, pass_k: int, confidence: float = CONFIDENCE) -
             entry["vs_grpo"] = {c: paired_difference({s: v[c] for s, v in by_seed.items()},
                                                      {s: v[c] for s, v in base.items()}, confidence)
                                 for c, _ in PAIRED_COLUMNS}
-            boot = bootstrap_against(results[abl], results[BASELINE], confidence)
-            if boot is not None:  # evaluation noise of both arms included
-                entry["vs_grpo"]["eval greedy"] = boot
-        reached = []
-        if target is not None:
-            for res in results[abl].values():
-                hit = tokens_to_target(*accuracy_curve(res, "tokens/cumulative"), target.mean)
-                if hit is not None:
-                    reached.append(hit)
-        entry["tokens_to_target"] = mean_interval(reached, confidence) if reached else None
-        entry["reached"] = len(reached)
+            for column, (measure, _) in ACCURACY_COLUMNS.items():
+                boot = bootstrap_against(results[abl], results[BASELINE], confidence, measure)
+                if boot is not None:  # evaluation noise of both arms included
+                    entry["vs_grpo"][column] = boot
+        if warmup:
+            gains = {c: _warmup_gain(results[abl], warmup, warmup_questions, c, pass_k, confidence)
+                     for c in ACCURACY_COLUMNS}
+            entry["vs_warmup"] = {c: iv for c, iv in gains.items() if iv is not None and iv.n}
+        for column, suffix in (("eval greedy", ""), ("eval mean@k", "_sampled")):
+            reached = []
+            if targets[column] is not None:
+                for res in results[abl].values():
+                    curve = accuracy_curve(res, "tokens/cumulative", ACCURACY_COLUMNS[column][1])
+                    hit = tokens_to_target(*curve, targets[column].mean)
+                    if hit is not None:
+                        reached.append(hit)
+            entry["tokens_to_target" + suffix] = mean_interval(reached, confidence) if reached else None
+            entry["reached" + suffix] = len(reached)
         audit = {}
         for key in AUDIT_KEYS:
             means = [sum(v for _, v in pts) / len(pts) for res in results[abl].values()
@@ -210,11 +249,12 @@ def arm_statistics(results: dict, pass_k: int, confidence: float = CONFIDENCE) -
                 audit[key] = mean_interval(means, confidence)
         entry["audit"] = audit
         arms[abl] = entry
-    return {"target": target, "arms": arms}
+    return {"target": targets["eval greedy"], "target_sampled": targets["eval mean@k"], "arms": arms}
 
 
 def regime_summary(results: dict, warmup: dict, num_eval: int | None, confidence: float = CONFIDENCE,
-                   warmup_questions: Mapping[str, float] | None = None) -> dict:
+                   warmup_questions: Mapping[str, Mapping[str, float]] | None = None,
+                   pass_k: int | None = None) -> dict:
     """The regime the arms were compared in: where warmup left the policy and how much ``grpo`` wasted and
     gained.
 
@@ -223,7 +263,8 @@ def regime_summary(results: dict, warmup: dict, num_eval: int | None, confidence
         warmup: the warmup stage's metrics (``accuracy/greedy``, ``accuracy_train/greedy``), or ``{}``.
         num_eval: held-out questions behind ``accuracy/greedy`` (``evaluate.num_prompts``), or None.
         confidence: interval coverage.
-        warmup_questions: the warmup policy's per-question greedy rewards, or None.
+        warmup_questions: the warmup's per-question results (``attach_question_results``), or None.
+        pass_k: ``evaluate.pass_k``: also the avg@k regime (``warmup_sampled``, ``gain_sampled``); None: greedy only.
 
     Returns:
         Any of: ``warmup`` (held-out greedy accuracy), ``se`` (its binomial standard error
@@ -232,7 +273,7 @@ def regime_summary(results: dict, warmup: dict, num_eval: int | None, confidence
         groups at its first step / averaged over its steps), ``gain`` (grpo's held-out greedy accuracy minus
         ``warmup``: a paired bootstrap over questions and seeds when grpo and warmup have per-question
         results, else the t-interval over seeds, which leaves out the warmup evaluation's own error),
-        ``root_auc`` ({ablation: Interval over seeds of the per-step mean ``predictor/root_auc``}).
+        ``warmup_sampled`` and ``gain_sampled`` (the same for avg@k, with ``pass_k``), ``root_auc`` ({ablation: Interval over seeds of the per-step mean ``predictor/root_auc``}).
     """
     out: dict = {}
     base = warmup.get(GREEDY_ACCURACY)
@@ -251,6 +292,14 @@ def regime_summary(results: dict, warmup: dict, num_eval: int | None, confidence
              if base is not None and GREEDY_ACCURACY in res.get("eval", {})]
     if gains:
         out["gain"] = bootstrap_gain(grpo, warmup_questions, confidence) or mean_interval(gains, confidence)
+    if pass_k:
+        name = sampled_accuracy_name(pass_k)
+        base_sampled = warmup.get(name, warmup.get(metric_key(name)))
+        if base_sampled is not None:
+            out["warmup_sampled"] = base_sampled
+            gain = _warmup_gain(grpo, warmup, warmup_questions, "eval mean@k", pass_k, confidence) if grpo else None
+            if gain is not None and gain.n:
+                out["gain_sampled"] = gain
     aucs = {abl: [sum(v for _, v in pts) / len(pts) for res in by_seed.values()
                   if (pts := res["history"].get("predictor/root_auc"))] for abl, by_seed in results.items()}
     out["root_auc"] = {abl: mean_interval(v, confidence) for abl, v in aucs.items() if v}

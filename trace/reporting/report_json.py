@@ -21,12 +21,15 @@ def _json_interval(iv: Interval | None) -> dict | None:
     return out
 
 
-def metrics_table(results: dict, pass_k: int, confidence: float = CONFIDENCE) -> dict[str, dict]:
+def metrics_table(results: dict, pass_k: int, confidence: float = CONFIDENCE, warmup: dict | None = None,
+                  warmup_questions: dict | None = None) -> dict[str, dict]:
     """``reports/metrics.json``'s ablations: per arm, per seed (``s<seed>``) its ``arm/*`` results and its
     evaluate metrics under ``eval/``, and the statistics of ``arm_statistics`` (intervals as
     ``{"mean", "low", "high", "n", "estimator"}`` (``t`` or ``bootstrap``, the latter with the
-    ``seed_interval`` it is checked against), undefined bounds as null; a paired difference with ``real``)."""
-    stats = arm_statistics(results, pass_k, confidence)["arms"]
+    ``seed_interval`` it is checked against), undefined bounds as null; a paired difference with ``real``):
+    ``vs_grpo``, ``vs_warmup`` (gain over the warmup policy, greedy and avg@k, with ``warmup``), and the tokens to
+    ``grpo``'s final in-training greedy accuracy and avg@k."""
+    stats = arm_statistics(results, pass_k, confidence, warmup, warmup_questions)["arms"]
     out: dict[str, dict] = {}
     for abl, by_seed in results.items():
         st = stats[abl]
@@ -35,7 +38,13 @@ def metrics_table(results: dict, pass_k: int, confidence: float = CONFIDENCE) ->
         entry["mean"] = {c: _json_interval(iv) for c, iv in st["columns"].items()}
         if "vs_grpo" in st:
             entry["vs_grpo"] = {c: {**_json_interval(iv), "real": iv.excludes_zero} for c, iv in st["vs_grpo"].items()}
+        if st.get("vs_warmup"):
+            entry["vs_warmup"] = {c: {**_json_interval(iv), "real": iv.excludes_zero} for c, iv in st["vs_warmup"].items()}
         entry["tokens_to_grpo_final"] = _json_interval(st["tokens_to_target"])
+        entry["reached_grpo_final"] = st["reached"]
+        if st["tokens_to_target_sampled"] is not None or st["reached_sampled"]:
+            entry["tokens_to_grpo_final_sampled"] = _json_interval(st["tokens_to_target_sampled"])
+        entry["reached_grpo_final_sampled"] = st["reached_sampled"]
         if st["audit"]:
             entry["audit"] = {k: _json_interval(iv) for k, iv in st["audit"].items()}
         out[abl] = entry

@@ -37,6 +37,15 @@ def _regime_lines(regime: dict) -> list[str]:
                       "and there are no per-question results to bootstrap")
         lines.append(f"- {BASELINE}'s gain in held-out greedy accuracy over warmup: "
                      f"{format_interval(gain, 3, True, True)}{in_se} ({judged}).")
+    if "warmup_sampled" in regime:
+        lines.append(f"- Held-out avg@{regime['pass_k']} after warmup (mean reward of {regime['pass_k']} sampled "
+                     f"rollouts per question, DeepScaleR's / verl's mean@k): **{regime['warmup_sampled']:.3f}**.")
+    if "gain_sampled" in regime:
+        gain = regime["gain_sampled"]
+        how = (f"; paired bootstrap over the held-out questions and {gain.n} seeds"
+               if gain.estimator == BOOTSTRAP and gain.has_interval else "")
+        lines.append(f"- {BASELINE}'s gain in held-out avg@{regime['pass_k']} over warmup: "
+                     f"{format_interval(gain, 3, True, True)} ({verdict(gain)}{how}).")
     if regime.get("root_auc"):
         lines.append("- Root AUC of the success predictor (mean over steps): " + ", ".join(
             f"{abl} {format_interval(iv, 3)}" for abl, iv in regime["root_auc"].items()) + ".")
@@ -83,11 +92,12 @@ def _seeds_line(seeds: list[int], confidence: float) -> str:
 def _estimators_line(arms: dict, paired: list[str], confidence: float) -> str:
     """The sentence under "Against grpo": which estimator made the intervals of the table."""
     head = f"Paired differences (arm minus {BASELINE} at the same seed), mean and {confidence:.0%} "
-    booted = [a for a in paired if arms[a]["vs_grpo"]["eval greedy"].estimator == BOOTSTRAP]
-    if not booted:
+    booted = {c: [a for a in paired if arms[a]["vs_grpo"][c].estimator == BOOTSTRAP] for c in ("eval greedy", "eval mean@k")}
+    if not any(booted.values()):
         return head + "t-interval; a difference is real only when its interval excludes 0."
-    which = "" if len(booted) == len(paired) else f" for {', '.join(booted)} (the others: no per-question results)"
-    return (head + f"interval: Δ eval greedy by a paired bootstrap over the held-out questions and seeds{which} "
+    names = [f"Δ {c}" + ("" if len(arms_) == len(paired) else f" for {', '.join(arms_)}")
+             for c, arms_ in booted.items() if arms_]
+    return (head + f"interval: {' and '.join(names)} by a paired bootstrap over the held-out questions and seeds "
             f"(percentile interval of {BOOTSTRAP_RESAMPLES:,} resamples, evaluation noise included), the other "
             "columns by a t-interval over seeds. A difference is real only when its interval excludes 0; a "
             "bootstrap interval also needs the t-interval over seeds to exclude 0 (a percentile interval of few "
@@ -96,7 +106,7 @@ def _estimators_line(arms: dict, paired: list[str], confidence: float) -> str:
 
 def render_markdown(results: dict, warmup: dict, pass_k: int, links: dict[str, str] | None = None,
                     plots: Sequence[str] = (), confidence: float = CONFIDENCE, num_eval: int | None = None,
-                    warmup_questions: Mapping[str, float] | None = None) -> str:
+                    warmup_questions: Mapping[str, Mapping[str, float]] | None = None) -> str:
     """``reports/summary.md``: the arms ranked by mean held-out greedy accuracy, the paired differences
     against ``grpo`` in words, tokens to grpo's final accuracy, the audit means, then the MLflow ``links``.
 
@@ -108,17 +118,17 @@ def render_markdown(results: dict, warmup: dict, pass_k: int, links: dict[str, s
         plots: the PNG names written (``trace.reporting.report_plots.write_plots``), listed under the table.
         confidence: interval coverage.
         num_eval: held-out questions of an evaluation (``evaluate.num_prompts``), for standard errors.
-        warmup_questions: the warmup policy's per-question greedy rewards (``regime_summary``), or None.
+        warmup_questions: the warmup's per-question results (``attach_question_results``), or None.
 
     Returns:
         The markdown text; a missing value shows as ``nan``.
     """
-    stats = arm_statistics(results, pass_k, confidence)
+    stats = arm_statistics(results, pass_k, confidence, warmup, warmup_questions)
     arms = stats["arms"]
     order = sorted(arms, key=lambda a: tuple(-(x if math.isfinite(x) else -1.0) for x in (
         arms[a]["columns"]["eval greedy"].mean, arms[a]["columns"]["effective ratio"].mean)))
     columns = list(next(iter(arms.values()))["columns"]) if arms else []
-    regime = regime_summary(results, warmup, num_eval, confidence, warmup_questions)
+    regime = {**regime_summary(results, warmup, num_eval, confidence, warmup_questions, pass_k), "pass_k": pass_k}
     lines = ["# Ablation report", "", *_regime_lines(regime),
              _seeds_line(seeds_of(results), confidence) if results else "No runs.", "",
              "Ranked by mean held-out greedy accuracy after RL (ties: effective ratio). Training columns are "
@@ -145,18 +155,34 @@ def render_markdown(results: dict, warmup: dict, pass_k: int, links: dict[str, s
             parts = [f"{words} {format_interval(d[c], _digits(c), True, True)} ({verdict(d[c])})"
                      for c, words in PAIRED_COLUMNS]
             lines.append(f"- {abl} against {BASELINE}: " + "; ".join(parts) + ".")
-    target = stats["target"]
-    if target is not None:
-        lines += ["", "## Sample efficiency", "",
-                  f"Generated tokens to reach {BASELINE}'s final in-training held-out accuracy "
-                  f"({format_interval(target, 3)}, mean over seeds of its last `accuracy/eval`): per seed the "
+    gained = [a for a in order if arms[a].get("vs_warmup")]
+    if gained:
+        lines += ["", "## Gain over warmup", "",
+                  f"Held-out accuracy after RL minus the warmup policy's, mean and {confidence:.0%} interval: a paired "
+                  "bootstrap over the held-out questions and seeds where per-question results exist (the warmup's "
+                  "own evaluation error included), real only when it and the t-interval over seeds both exclude 0. "
+                  f"Greedy: one rollout at temperature 0 (Search-R1's exact match); avg@{pass_k}: the mean reward of "
+                  f"{pass_k} sampled rollouts per question (DeepScaleR's avg@k, verl's mean@k).", "",
+                  f"| ablation | Δ greedy | Δ avg@{pass_k} |", "|---|---:|---:|"]
+        for abl in gained:
+            g = arms[abl]["vs_warmup"]
+            lines.append(f"| {abl} | " + " | ".join(
+                f"{format_interval(g[c], 3, True, True)} ({verdict(g[c])})" if c in g else "nan"
+                for c in ("eval greedy", "eval mean@k")) + " |")
+    for target, suffix, key, what in ((stats["target"], "", "accuracy/eval", "greedy accuracy"),
+                                      (stats["target_sampled"], "_sampled", "accuracy/eval_sampled", "avg@k")):
+        if target is None:
+            continue
+        lines += ["", "## Sample efficiency" + ("" if not suffix else ", avg@k"), "",
+                  f"Generated tokens to reach {BASELINE}'s final in-training held-out {what} "
+                  f"({format_interval(target, 3)}, mean over seeds of its last `{key}`): per seed the "
                   "first crossing of accuracy against cumulative generated tokens, linearly interpolated; mean "
                   "over the seeds that reach it.", "",
                   f"| ablation | tokens to {_num(target.mean, 3)} | seeds reaching |", "|---|---:|---:|"]
         for abl in order:
-            hit = arms[abl]["tokens_to_target"]
+            hit = arms[abl]["tokens_to_target" + suffix]
             shown = format_interval(hit, 0) if hit is not None else "not reached"
-            lines.append(f"| {abl} | {shown} | {arms[abl]['reached']}/{len(arms[abl]['seeds'])} |")
+            lines.append(f"| {abl} | {shown} | {arms[abl]['reached' + suffix]}/{len(arms[abl]['seeds'])} |")
     audited = [a for a in order if arms[a]["audit"]]
     if audited:
         keys = AUDIT_KEYS[:4]

@@ -4,7 +4,8 @@ Per-step metrics are plotted against the training step; held-out accuracy agains
 tokens and against cumulative trajectories, each seed's curve linearly interpolated onto a grid all seeds
 cover (``trace.reporting.statistics.common_grid``, ``curve_band``). With one seed a curve has no band. ``audit.png``
 (forecast against realised mixed groups and flips per arm) is drawn only when some train run logged the
-allocation audit's keys, and removed otherwise so that no stale audit is left beside the report.
+allocation audit's keys, and the avg@k curves (``avgk_vs_steps.png``, ``avgk_vs_tokens.png``) only when some run
+logged ``accuracy/eval_sampled``; each is removed otherwise so that no stale plot is left beside the report.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from trace.reporting.report import AUDIT_KEYS, CONFIDENCE, accuracy_curve, arm_statistics
+from trace.tracking.names import EVAL_ACCURACY, EVAL_SAMPLED_ACCURACY
 from trace.reporting.statistics import common_grid, curve_band
 
 # plot file -> (step metric, y label, x metric or None for the training step)
@@ -23,6 +25,12 @@ PLOTS: dict[str, tuple[str, str, str | None]] = {
     "tokens.png": ("tokens/generated", "generated tokens per step", None),
     "accuracy_vs_tokens.png": ("accuracy/eval", "held-out greedy accuracy", "tokens/cumulative"),
     "accuracy_vs_trajectories.png": ("accuracy/eval", "held-out greedy accuracy", "rollout/cumulative_trajectories"),
+}
+# with train.eval_samples: held-out avg@k in training, against the step and the generated tokens (drawn only
+# when some run logged it)
+SAMPLED_PLOTS: dict[str, tuple[str, str, str | None]] = {
+    "avgk_vs_steps.png": (EVAL_SAMPLED_ACCURACY, "held-out avg@k (sampled)", None),
+    "avgk_vs_tokens.png": (EVAL_SAMPLED_ACCURACY, "held-out avg@k (sampled)", "tokens/cumulative"),
 }
 AUDIT_PLOT = "audit.png"
 # with train.probe_prompts: the probe's gain over the starting policy, a curve free of the per-step prompt draw
@@ -37,8 +45,8 @@ def _curves(by_seed: dict, key: str, x_key: str | None) -> list[tuple[list[float
         if x_key is None:
             pts = res["history"].get(key) or []
             xs, ys = [float(s) for s, _ in pts], [v for _, v in pts]
-        elif key == "accuracy/eval":
-            xs, ys = accuracy_curve(res, x_key)
+        elif key in (EVAL_ACCURACY, EVAL_SAMPLED_ACCURACY):
+            xs, ys = accuracy_curve(res, x_key, key)
         else:
             xs_by_step = dict(res["history"].get(x_key) or [])
             pts = [(xs_by_step[s], v) for s, v in res["history"].get(key) or [] if s in xs_by_step]
@@ -131,8 +139,8 @@ def plot_audit(results: dict, path: str | Path, pass_k: int = 1) -> bool:
 
 
 def write_plots(results: dict, folder: str | Path, pass_k: int = 1) -> list[Path]:
-    """Every plot of ``PLOTS`` into ``folder`` (which must exist), in the table's order, then ``probe_gain.png``
-    when a run logged ``probe/gain`` and ``audit.png`` when the audit keys exist (an older file of either is
+    """Every plot of ``PLOTS`` into ``folder`` (which must exist), in the table's order, then ``SAMPLED_PLOTS``
+    when a run logged ``accuracy/eval_sampled``, ``probe_gain.png`` when a run logged ``probe/gain`` and ``audit.png`` when the audit keys exist (an older file of either is
     removed when they do not).
 
     Returns:
@@ -143,6 +151,15 @@ def write_plots(results: dict, folder: str | Path, pass_k: int = 1) -> list[Path
         path = Path(folder) / name
         plot_band(results, key, ylabel, path, x_key=x_key)
         paths.append(path)
+    has_sampled = any(res["history"].get(EVAL_SAMPLED_ACCURACY) for by_seed in results.values()
+                      for res in by_seed.values())
+    for name, (key, ylabel, x_key) in SAMPLED_PLOTS.items():
+        path = Path(folder) / name
+        if has_sampled:
+            plot_band(results, key, ylabel, path, x_key=x_key)
+            paths.append(path)
+        else:
+            path.unlink(missing_ok=True)
     probe = Path(folder) / PROBE_PLOT[0]
     if any(res["history"].get(PROBE_PLOT[1]) for by_seed in results.values() for res in by_seed.values()):
         plot_band(results, PROBE_PLOT[1], PROBE_PLOT[2], probe)

@@ -33,6 +33,7 @@ SUMMARY_METRIC_NAMES: dict[str, str] = {
     "mean/predictor/brier": "arm/brier",
     "mean/predictor/auc": "arm/auc",
     "last/accuracy_eval": "arm/last_eval_acc",
+    "last/accuracy_eval_sampled": "arm/last_eval_avgk",
     "tokens/cumulative": "arm/tokens",
     "train/steps": "arm/steps",
 }
@@ -41,6 +42,12 @@ TRAIN_ACCURACY_PREFIX = "accuracy_train"  # greedy accuracy on training question
 GREEDY_ACCURACY = "accuracy/greedy"  # trace.training.evaluation metric whose value HELDOUT_ACCURACY carries
 # key of an evaluation output's per-question greedy rewards ({prompt_uid: reward}, mean = GREEDY_ACCURACY)
 QUESTIONS_KEY = "greedy_by_question"
+# key of an evaluation output's per-question sampled success ({prompt_uid: mean reward of its k sampled rollouts},
+# mean = the evaluation's ``accuracy/mean@k``, avg@k)
+SAMPLED_QUESTIONS_KEY = "sampled_by_question"
+# in-training held-out evaluation (Trainer): greedy accuracy, and avg@k over train.eval_samples sampled rollouts
+EVAL_ACCURACY = "accuracy/eval"
+EVAL_SAMPLED_ACCURACY = "accuracy/eval_sampled"
 HEADLINE_METRICS = (HELDOUT_ACCURACY, "arm/eff_ratio")
 SEED_TAG = "trace.seed"  # a run's seed (a train or evaluate run: the training seed of its arm)
 
@@ -55,6 +62,12 @@ def pass_at_k_name(pass_k: int) -> str:
     """The evaluation's pass@k metric as evaluated, ``accuracy/pass@<k>`` (logged as ``metric_key`` of it,
     ``accuracy/pass_at_<k>``)."""
     return f"accuracy/pass@{int(pass_k)}"
+
+
+def sampled_accuracy_name(pass_k: int) -> str:
+    """The evaluation's avg@k (mean@k: the mean reward of k sampled rollouts per question, averaged over the
+    questions) as evaluated, ``accuracy/mean@<k>`` (logged as ``accuracy/mean_at_<k>``)."""
+    return f"accuracy/mean@{int(pass_k)}"
 
 
 def summary_metrics(summary: Mapping[str, float]) -> dict[str, float]:

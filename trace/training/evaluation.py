@@ -1,9 +1,14 @@
 """Evaluation of a policy on prompts: greedy accuracy, pass@k / mean@k, and the warmup's sampled success.
 
 Every measure here rolls the policy out with ``trace.rollout.rollout_roots`` at ``step=-1`` and reads the
-leaves' verifier rewards; the metric keys live in one namespace (``accuracy/*`` by default). The greedy
-reward of each question (``question_rewards``, kept under ``trace.tracking.names.QUESTIONS_KEY`` in the
-evaluation outputs) lets the report pair two evaluations question by question.
+leaves' verifier rewards; the metric keys live in one namespace (``accuracy/*`` by default). Two accuracies:
+greedy (temperature 0, one rollout per question: the exact-match convention of Search-R1 and Tree-GRPO) and
+avg@k, also called mean@k (the mean reward of k sampled rollouts per question, averaged over the questions:
+the sampled pass@1 of DeepScaleR and verl's ``mean@N``, the policy that RL trains). The greedy reward of each
+question (``question_rewards``, kept under ``trace.tracking.names.QUESTIONS_KEY`` in the evaluation outputs)
+and its sampled success (``sampled_question_rewards``, under ``SAMPLED_QUESTIONS_KEY``) let the report pair two
+evaluations question by question. Sampling is seeded per trajectory from ``seed``, so an evaluation repeated
+with the same seed draws the same streams, and two policies are compared on the same ones.
 """
 
 from __future__ import annotations
@@ -104,6 +109,37 @@ def question_rewards(greedy_trees: Sequence[RolloutTree]) -> dict[str, float]:
         if tree.prompt_uid in out:
             raise ValueError(f"two greedy trees of question {tree.prompt_uid!r}")
         out[tree.prompt_uid] = float(rewards[0])
+    return out
+
+
+def sampled_question_rewards(sampled_trees: Sequence[RolloutTree]) -> dict[str, float]:
+    """Each question's sampled success, keyed by its ``prompt_uid``: the mean reward of its k sampled rollouts,
+    whose mean over the questions is ``accuracy/mean@k`` (avg@k).
+
+    Args:
+        sampled_trees: the P sampled trees of ``evaluate_policy`` (its trees after the first P), k leaves each.
+
+    Returns:
+        ``{prompt_uid: mean leaf reward}`` in the order of the trees (values in [0, 1] for 0/1 rewards, in
+        steps of 1/k).
+
+    Raises:
+        ValueError: a tree without leaves, trees with different numbers of leaves (not one ``pass_k``), or two
+            trees of one question.
+    """
+    out: dict[str, float] = {}
+    sizes = set()
+    for tree in sampled_trees:
+        rewards = tree.leaf_rewards()
+        if rewards.size == 0:
+            raise ValueError(f"tree {tree.tree_id} has no leaves: pass the sampled trees of evaluate_policy")
+        sizes.add(rewards.size)
+        if tree.prompt_uid in out:
+            raise ValueError(f"two sampled trees of question {tree.prompt_uid!r}")
+        out[tree.prompt_uid] = float(rewards.mean())
+    if len(sizes) > 1:
+        raise ValueError(f"sampled trees with {sorted(sizes)} leaves: every question needs the same k samples "
+                         "(the sampled trees of one evaluate_policy call)")
     return out
 
 

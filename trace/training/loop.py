@@ -16,7 +16,8 @@ Data parallel (under ``torchrun`` or ``deepspeed``, the ``launch`` params): ever
 prompts, scores and allocation; each samples and trains on its own whole trees and receives the others'
 (``trace.training.parallel.DataParallelSampler``), so every rank refits the same predictor on the same window (checked
 every step); rank 0 alone writes the trees and the checkpoint's predictor and state files, and runs the
-in-training evaluation. DeepSpeed writes its checkpoint shards from every rank. With several nodes the run
+in-training evaluation (held-out greedy accuracy, and avg@k with ``train.eval_samples``, on the same sampling
+seeds at every evaluation). DeepSpeed writes its checkpoint shards from every rank. With several nodes the run
 folder must be on a file system every node sees.
 """
 
@@ -42,6 +43,7 @@ from trace.policy.lora import apply_lora
 from trace.training.seeding import candidate_indices, step_rng, step_seed
 from trace.tree import RolloutTree
 from trace.tree_io import read_trees, tree_path, write_trees
+from trace.tracking.names import EVAL_ACCURACY, EVAL_SAMPLED_ACCURACY, sampled_accuracy_name
 
 
 class Trainer:
@@ -243,10 +245,15 @@ class Trainer:
         metrics["accuracy/train"] = metrics.get("reward/mean", 0.0)
         if ((step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.num_steps) and is_main_process():
             t0 = time.perf_counter()
+            # the same seed at every evaluation: each curve point samples the same streams (avg@k free of a
+            # per-evaluation draw)
             ev, _ = evaluate_policy(self.policy, self.env, self.eval_prompts[: cfg.train.eval_prompts], cfg.rollout,
                                     seed=step_seed(cfg.seed, 0, "eval"), backend=self.backend,
-                                    max_context_tokens=cfg.policy.max_context_tokens)
-            metrics["accuracy/eval"] = ev["accuracy/greedy"]
+                                    max_context_tokens=cfg.policy.max_context_tokens,
+                                    pass_k=cfg.train.eval_samples, temperature=cfg.evaluate.temperature)
+            metrics[EVAL_ACCURACY] = ev["accuracy/greedy"]
+            if cfg.train.eval_samples:
+                metrics[EVAL_SAMPLED_ACCURACY] = ev[sampled_accuracy_name(cfg.train.eval_samples)]
             if cfg.train.probe_prompts:
                 metrics["probe/success"] = self._probe()
                 metrics["probe/gain"] = metrics["probe/success"] - self._probe_start()
@@ -308,9 +315,10 @@ class Trainer:
             vals = [h[key] for h in self.history if key in h]
             if vals:
                 out[f"mean/{key}"] = float(np.mean(vals))
-        evals = [h["accuracy/eval"] for h in self.history if "accuracy/eval" in h]
-        if evals:
-            out["last/accuracy_eval"] = float(evals[-1])
+        for key, name in ((EVAL_ACCURACY, "last/accuracy_eval"), (EVAL_SAMPLED_ACCURACY, "last/accuracy_eval_sampled")):
+            evals = [h[key] for h in self.history if key in h]
+            if evals:
+                out[name] = float(evals[-1])
         gains = [h["probe/gain"] for h in self.history if "probe/gain" in h]
         if gains:
             out["last/probe_gain"] = float(gains[-1])
