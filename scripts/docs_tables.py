@@ -284,19 +284,65 @@ def gain_table(ctx: Context, key: str) -> str:
                   rows) + "\n\n" + note
 
 
-def tokens_to_target_table(ctx: Context, key: str) -> str:
-    """Per arm, the generated tokens to reach ``grpo``'s final in-training held-out accuracy (the curves)."""
+def _gain(iv: dict | None) -> str:
+    """A gain over the warmup: ``+m [bootstrap low, high]; t [low, high] real`` (a bootstrap interval with its
+    seed t-interval), or ``_diff``'s form for a t-interval alone."""
+    if not iv or iv.get("estimator") != "bootstrap" or not iv.get("seed_interval"):
+        return _diff(iv)
+    t = iv["seed_interval"]
+    if not (_finite(iv.get("low")) and _finite(t.get("low"))):
+        return f"{_num(iv['mean'], 3, True)} (one seed)"
+    return (f"{_num(iv['mean'], 3, True)} [{_num(iv['low'], 3, True)}, {_num(iv['high'], 3, True)}]; "
+            f"t [{_num(t['low'], 3, True)}, {_num(t['high'], 3, True)}] {'real' if iv.get('real') else 'within noise'}")
+
+
+def gain_avgk_table(ctx: Context, key: str) -> str:
+    """Per arm, held-out greedy accuracy and avg@k after RL and their gains over the warmup policy (the report's
+    ``vs_warmup``: a paired bootstrap over questions and seeds, real only when it and the t-interval over seeds
+    exclude 0), with the verdict on the learning bar, asked of avg@k."""
+    folder, metrics = ctx.report(key)
+    if metrics is None:
+        return _missing(ctx, key)
+    abl, k = metrics["ablations"], _pass_k(metrics["ablations"])
+    if not any(e.get("vs_warmup") for e in abl.values()):
+        return ("This report has no gains over the warmup per question (written before `vs_warmup`). "
+                + _source(ctx, folder))
+    rows = []
+    for arm in _ranked(abl):
+        cols, gains = abl[arm]["mean"], abl[arm].get("vs_warmup", {})
+        rows.append([f"`{arm}`", _pm(cols.get("eval mean@k")), _gain(gains.get("eval mean@k")),
+                     _pm(cols.get("eval greedy")), _gain(gains.get("eval greedy"))])
+    w = metrics["warmup"]
+    base_k = w.get(f"accuracy/mean@{k}", w.get(f"accuracy/mean_at_{k}"))
+    g = abl.get("grpo", {}).get("vs_warmup", {}).get("eval mean@k") or {}
+    met = _finite(g.get("mean")) and g["mean"] >= LEARNING_BAR and bool(g.get("real"))
+    note = (f"After RL: mean over seeds ± the 95 % t half-width. Gain: the arm minus the warmup policy (avg@{k} "
+            f"{_num(base_k)}, greedy {_num(w.get('accuracy/greedy'))}), mean with the 95 % interval of a paired "
+            f"bootstrap over the held-out questions and seeds (the evaluations' own noise included) and the "
+            f"t-interval over seeds; *real* only when both exclude 0. avg@{k}: the mean reward of {k} sampled "
+            f"rollouts per question (DeepScaleR's avg@k, verl's mean@k); greedy: one rollout at temperature 0 "
+            f"(Search-R1's exact match). The learning bar (`grpo`'s avg@{k} gain >= {LEARNING_BAR:.2f}, real) is "
+            f"**{'met' if met else 'not met'}**. " + _source(ctx, folder))
+    return _table(["arm", f"held-out avg@{k}", f"avg@{k} minus warmup", "held-out greedy", "greedy minus warmup"],
+                  rows) + "\n\n" + note
+
+
+def tokens_to_target_table(ctx: Context, key: str, sampled: bool = False) -> str:
+    """Per arm, the generated tokens to reach ``grpo``'s final in-training held-out accuracy (the curves):
+    greedy, or avg@k with ``sampled``."""
     folder, metrics = ctx.report(key)
     if metrics is None:
         return _missing(ctx, key)
     abl = metrics["ablations"]
-    finals = [abl["grpo"][s].get("arm/last_eval_acc") for s in _seeds(abl["grpo"])] if "grpo" in abl else []
+    last, hit_key = ("arm/last_eval_avgk", "tokens_to_grpo_final_sampled") if sampled else \
+        ("arm/last_eval_acc", "tokens_to_grpo_final")
+    finals = [abl["grpo"][s].get(last) for s in _seeds(abl["grpo"])] if "grpo" in abl else []
     finals = [f for f in finals if _finite(f)]
     if not finals:
         return "No `grpo` in-training evaluation in this report: no target accuracy. " + _source(ctx, folder)
     rows = []
     for arm in _ranked(abl):
-        hit, seeds = abl[arm].get("tokens_to_grpo_final"), len(_seeds(abl[arm]))
+        hit, seeds = abl[arm].get(hit_key), len(_seeds(abl[arm]))
         reached = int(hit.get("n", 0)) if hit else 0
         if not hit or not _finite(hit.get("mean")):
             shown = "not reached"
@@ -306,7 +352,8 @@ def tokens_to_target_table(ctx: Context, key: str) -> str:
             shown = f"{_num(hit['mean'], 0)} (mean of the seeds that reach it)"
         rows.append([f"`{arm}`", shown, f"{reached}/{seeds}"])
     target = sum(finals) / len(finals)
-    note = (f"Generated tokens until the in-training held-out accuracy first reaches {_num(target)}, `grpo`'s final "
+    what = "avg@k" if sampled else "accuracy"
+    note = (f"Generated tokens until the in-training held-out {what} first reaches {_num(target)}, `grpo`'s final "
             f"one (mean over its seeds): per seed the first crossing of accuracy against cumulative generated "
             f"tokens, linearly interpolated; the 95 % t-interval when every seed reaches it. " + _source(ctx, folder))
     return _table(["arm", f"tokens to {_num(target)}", "seeds reaching"], rows) + "\n\n" + note
@@ -630,6 +677,8 @@ def tables() -> dict[str, Callable[[Context], str]]:
         out[f"{key}-audit"] = lambda ctx, key=key: audit_table(ctx, key)
         out[f"{key}-gain"] = lambda ctx, key=key: gain_table(ctx, key)
         out[f"{key}-tokens-to-target"] = lambda ctx, key=key: tokens_to_target_table(ctx, key)
+        out[f"{key}-tokens-to-target-avgk"] = lambda ctx, key=key: tokens_to_target_table(ctx, key, sampled=True)
+        out[f"{key}-gain-avgk"] = lambda ctx, key=key: gain_avgk_table(ctx, key)
     for key in PRESET_REPORTS:
         out[f"preset-{key}"] = lambda ctx, key=key: preset_table(ctx, key)
     out["presets"] = presets_table

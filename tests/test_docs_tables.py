@@ -165,3 +165,35 @@ def test_the_tokens_table_gives_an_interval_only_when_every_seed_reaches_grpos_f
     (tmp_path / "reports").rename(tmp_path / "old")
     ctx = _accuracy_report(tmp_path, {"mean": 0.62, "low": 0.55, "high": 0.69, "n": 3}, hits)
     assert "| `trace` | not reached | 0/3 |" in docs_tables.tokens_to_target_table(ctx, "paper")
+
+
+@pytest.mark.parametrize("gain, real, verdict", [
+    (0.12, True, "met"),       # +0.12, both intervals exclude 0
+    (0.08, True, "not met"),   # real but below the bar
+    (0.12, False, "not met"),  # the bar's size, but an interval reaches 0
+])
+def test_the_avg_at_k_gain_table_judges_the_learning_bar_on_the_bootstrap_and_the_seed_interval(tmp_path, gain, real,
+                                                                                               verdict):
+    def boot(mean: float, is_real: bool) -> dict:
+        return {"mean": mean, "low": mean - 0.03, "high": mean + 0.03, "n": 3, "estimator": "bootstrap",
+                "seed_interval": {"mean": mean, "low": mean - (0.02 if is_real else 0.2), "high": mean + 0.02, "n": 3,
+                                  "estimator": "t"}, "real": is_real}
+
+    seeds = {f"s{i}": {"eval/accuracy/pass_at_8": 0.7} for i in range(3)}
+    ablations = {
+        "grpo": {"mean": {"eval greedy": {"mean": 0.70, "low": 0.68, "high": 0.72, "n": 3},
+                          "eval mean@k": {"mean": 0.43 + gain, "low": 0.42 + gain, "high": 0.44 + gain, "n": 3}},
+                 "vs_warmup": {"eval mean@k": boot(gain, real), "eval greedy": boot(0.03, False)}, **seeds},
+    }
+    folder = tmp_path / "reports" / "runs" / "paper-x"
+    folder.mkdir(parents=True)
+    (folder / "metrics.json").write_text(json.dumps({"ablations": ablations, "warmup": {
+        "accuracy/greedy": 0.67, "accuracy/mean@8": 0.43}}))
+    ctx = docs_tables.Context(root=tmp_path, doc=tmp_path / "README.md", index={"paper": "paper-x"})
+    text = docs_tables.gain_avgk_table(ctx, "paper")
+    assert "| arm | held-out avg@8 | avg@8 minus warmup | held-out greedy | greedy minus warmup |" in text
+    t_low = gain - (0.02 if real else 0.2)
+    assert (f"| `grpo` | {0.43 + gain:.3f} ± 0.010 | {gain:+.3f} [{gain - 0.03:+.3f}, {gain + 0.03:+.3f}]; "
+            f"t [{t_low:+.3f}, {gain + 0.02:+.3f}] {'real' if real else 'within noise'} | 0.700 ± 0.020 | "
+            "+0.030 [+0.000, +0.060]; t [-0.170, +0.050] within noise |") in text
+    assert "(avg@8 0.430, greedy 0.670)" in text and f"is **{verdict}**" in text
