@@ -23,15 +23,43 @@ pytestmark = pytest.mark.slow
 
 _SKIP = {".git", ".venv", "data", "mlruns", ".prefect", "__pycache__", ".hypothesis", "reports", ".pytest_cache"}
 _TOP_LEVEL_ONLY = {"data", "reports", "metrics"}  # outputs at the repository root; trace/data is code
+# what a pipeline run leaves in the working tree that git does not ignore: never part of a copy
+_RUN_OUTPUTS = {"dvc.lock", "metrics"}
+
+
+def _source_files() -> list[str] | None:
+    """The working tree's source files, as git sees them: tracked, or untracked and not ignored (None outside a
+    git checkout)."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                             capture_output=True, check=True).stdout.decode()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return [rel for rel in out.split("\0") if rel]
 
 
 def copy_project(dst: Path, skip: set[str] = _SKIP) -> None:
-    """Copy the working tree to ``dst`` without its outputs, caches and databases."""
-    def ignore(folder: str, names: list[str]) -> list[str]:
-        top = Path(folder) == ROOT
-        return [n for n in names if n.endswith(".db") or (n in skip and (top or n not in _TOP_LEVEL_ONLY))]
+    """Copy the working tree's source to ``dst``: what git tracks or would add, without the pipeline's outputs
+    (the ignored ones, and ``dvc.lock`` and ``metrics/`` that a run leaves at the root), caches, databases and
+    ``skip`` names, so a copy is the same whatever ``make run`` left in the folder."""
+    def skipped(parts: tuple[str, ...]) -> bool:
+        return (parts[0] in _RUN_OUTPUTS or parts[-1].endswith(".db")
+                or any(n in skip and (i == 0 or n not in _TOP_LEVEL_ONLY) for i, n in enumerate(parts)))
 
-    shutil.copytree(ROOT, dst, ignore=ignore)
+    files = _source_files()
+    if files is None:  # not a git checkout: every file but the outputs, caches and databases
+        def ignore(folder: str, names: list[str]) -> list[str]:
+            rel = Path(folder).relative_to(ROOT).parts
+            return [n for n in names if skipped((*rel, n))]
+
+        shutil.copytree(ROOT, dst, ignore=ignore)
+        return
+    for rel in files:
+        src = ROOT / rel
+        if skipped(Path(rel).parts) or not src.is_file():  # a tracked file deleted in the working tree
+            continue
+        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, dst / rel)
 
 
 def _free_port() -> int:
