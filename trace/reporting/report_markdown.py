@@ -183,6 +183,16 @@ def render_markdown(results: dict, warmup: dict, pass_k: int, links: dict[str, s
             hit = arms[abl]["tokens_to_target" + suffix]
             shown = format_interval(hit, 0) if hit is not None else "not reached"
             lines.append(f"| {abl} | {shown} | {arms[abl]['reached' + suffix]}/{len(arms[abl]['seeds'])} |")
+    probed = [a for a in order if arms[a]["probe_gain"] is not None]
+    if probed:
+        lines += ["", "## Probe", "",
+                  "Sampled success on the fixed probe of training prompts (`train.probe_prompts` x "
+                  "`train.probe_samples`, the same sampling seeds at every evaluation) at the last evaluation, minus "
+                  f"the starting policy's (`probe/gain`): mean over seeds and {confidence:.0%} t-interval.", "",
+                  "| ablation | probe gain | verdict |", "|---|---:|---|"]
+        for abl in probed:
+            g = arms[abl]["probe_gain"]
+            lines.append(f"| {abl} | {format_interval(g, 3, True, True)} | {verdict(g)} |")
     audited = [a for a in order if arms[a]["audit"]]
     if audited:
         keys = AUDIT_KEYS[:4]
