@@ -197,3 +197,17 @@ def test_the_avg_at_k_gain_table_judges_the_learning_bar_on_the_bootstrap_and_th
             f"t [{t_low:+.3f}, {gain + 0.02:+.3f}] {'real' if real else 'within noise'} | 0.700 ± 0.020 | "
             "+0.030 [+0.000, +0.060]; t [-0.170, +0.050] within noise |") in text
     assert "(avg@8 0.430, greedy 0.670)" in text and f"is **{verdict}**" in text
+
+
+def test_every_result_number_the_prose_quotes_is_in_a_committed_report():
+    from scripts.docs_numbers import unsourced_numbers
+
+    assert unsourced_numbers(REPO) == []
+
+
+def test_a_hand_typed_result_in_the_prose_is_caught(repo_copy):
+    from scripts.docs_numbers import unsourced_numbers
+
+    root, _ = repo_copy
+    (root / "README.md").write_text("# trace\n\n`grpo` gains +0.018 (a report's number); `trace` reached 0.7731.\n")
+    assert unsourced_numbers(root) == [("README.md", "0.7731")]
