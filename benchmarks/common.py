@@ -2,8 +2,9 @@
 
 Each benchmark is a module with ``main(argv) -> dict``: it parses ``--quick`` (a tiny setting for smoke
 tests) and ``--out DIR`` (default ``reports/benchmarks``), measures, and writes ``<name>.json`` and
-``<name>.png`` there. Reports carry the settings they ran with and a description of the machine, since
-timings depend on both; every ratio a target is judged by is measured side by side within one run.
+``<name>.png`` there. Reports carry the settings they ran with and a description of the machine (cores, CPU
+model and flags, memory, load: ``machine_info``), since timings and some float results depend on both; every
+ratio a target is judged by is measured side by side within one run.
 """
 
 from __future__ import annotations
@@ -97,10 +98,61 @@ def git_commit() -> str:
         return "unknown"
 
 
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni")
+"""The ``/proc/cpuinfo`` flags a report records: float results (the learned predictor's fit, the warmup) differ
+between CPUs with and without AVX-512, and bf16 is fast only with ``avx512_bf16`` or ``amx_bf16``."""
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def cpu_record(cpuinfo: str | None = None, meminfo: str | None = None) -> dict[str, Any]:
+    """The CPU's model name, which of ``CPU_FLAGS`` it lists, and the memory.
+
+    Args:
+        cpuinfo: text of ``/proc/cpuinfo`` (read when None).
+        meminfo: text of ``/proc/meminfo`` (read when None).
+
+    Returns:
+        ``{"cpu_model", "cpu_flags", "cpu_flags_checked", "memory_gib"}``: ``cpu_model`` from the first
+        ``model name`` line (else ``platform.processor()`` or ``"unknown"``); ``cpu_flags`` the ``CPU_FLAGS`` on
+        the first ``flags`` line, in ``CPU_FLAGS`` order (``[]``: none of them); ``memory_gib`` ``MemTotal`` in
+        GiB (None where unreadable). Without a ``flags`` line, ``cpu_flags`` is None and ``cpu_flags_note`` says
+        why.
+    """
+    cpuinfo = _read("/proc/cpuinfo") if cpuinfo is None else cpuinfo
+    meminfo = _read("/proc/meminfo") if meminfo is None else meminfo
+    model, flags = None, None
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if model is None and key.strip() == "model name":
+            model = value.strip()
+        elif flags is None and key.strip() == "flags":
+            flags = set(value.split())
+    record: dict[str, Any] = {"cpu_model": model or platform.processor() or "unknown",
+                              "cpu_flags": None if flags is None else [f for f in CPU_FLAGS if f in flags],
+                              "cpu_flags_checked": list(CPU_FLAGS), "memory_gib": None}
+    if flags is None:
+        record["cpu_flags_note"] = "no flags line in /proc/cpuinfo: flags not recorded"
+    for line in meminfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "MemTotal" and value.split() and value.split()[0].isdigit():
+            kib = int(value.split()[0])  # /proc/meminfo's "kB" are KiB
+            record["memory_gib"] = round(kib / 2**20, 1)
+            break
+    return record
+
+
 def machine_info() -> dict[str, Any]:
-    """Python, platform, CPU count and load, and library versions that set the speed of what is timed."""
+    """Python, platform, CPU count, model and flags (``cpu_record``), memory and load, and library versions
+    that set the speed of what is timed."""
     info: dict[str, Any] = {"python": platform.python_version(), "platform": platform.platform(),
-                            "cpu_count": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+                            "cpu_count": os.cpu_count(), **cpu_record(),
+                            "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
     try:
         info["load_average_1m"] = round(os.getloadavg()[0], 2)
     except OSError:

@@ -140,6 +140,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
                                          "headline": report["results"].get("headline")}
     table = headline_table({name: reports[name] for name in BENCHMARKS if name in reports})
     summary["total_seconds"] = round(sum(r["seconds"] or 0.0 for r in summary["runs"].values()), 1)
+    machines = {name: report.get("machine") or {} for name, report in reports.items()}
+    models = sorted({str(m.get("cpu_model")) for m in machines.values() if m.get("cpu_model")})
+    summary["machine"] = {"cpu_model": " / ".join(models) or None,  # each report keeps its own record
+                          "cpu_flags": {name: m.get("cpu_flags") for name, m in machines.items()}}
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "summary.md").write_text(f"# Benchmark headlines{' (--quick: not results)' if args.quick else ''}\n\n"
