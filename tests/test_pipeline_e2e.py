@@ -121,8 +121,14 @@ def test_pipeline_runs_end_to_end_then_caches_and_reruns_only_downstream_of_a_ch
     assert "accuracy_train/greedy" in warmup and "accuracy/greedy" in warmup
     assert "one seed, no interval" in summary and "## Against grpo" in summary
     assert "grpo's gain in held-out greedy accuracy over warmup" in summary and "(standard error" in summary
+    # avg@k beside greedy: per question in every evaluation, the gains over warmup, the in-training curve
+    assert "grpo's gain in held-out avg@2 over warmup" in summary and "## Gain over warmup" in summary
+    assert "## Sample efficiency, avg@k" in summary
+    for path in (project_dir / "data" / "eval" / "warmup.json", project_dir / "data" / "eval" / "trace" / "s0.json"):
+        sampled = json.loads(path.read_text())["sampled_by_question"]
+        assert len(sampled) == 8 and all(v in (0.0, 0.5, 1.0) for v in sampled.values())  # 8 questions x 2 samples
     for png in ("effective_ratio.png", "accuracy_vs_tokens.png", "accuracy_vs_trajectories.png", "reward.png",
-                "tokens.png"):
+                "tokens.png", "avgk_vs_steps.png", "avgk_vs_tokens.png"):
         assert (project_dir / "reports" / png).stat().st_size > 1000
 
     from trace.tree_io import read_trees, tree_path
