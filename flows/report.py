@@ -21,7 +21,7 @@ import json
 
 from prefect import flow
 
-from flows.common import stage_main, METRICS, REPORTS, eval_path, run_config, write_json
+from flows.common import stage_main, METRICS, REPORTS, eval_path, open_run, run_config, stage_params, write_json
 from flows.warmup import WARMUP_EVAL
 
 
@@ -43,12 +43,13 @@ def report_flow(params: str) -> dict:
     from mlflow.tracking import MlflowClient
 
     from trace.configuration.params_file import load_config
-    from trace.reporting.report import evaluate_run_ids, first_runs, mlflow_links
+    from trace.reporting.report import arm_statistics, evaluate_run_ids, first_runs, mlflow_links
+    from trace.reporting.report_dvc import arm_summary, write_curves
     from trace.reporting.report_json import metrics_table
     from trace.reporting.report_markdown import render_markdown
     from trace.reporting.report_questions import attach_question_results
     from trace.reporting.report_plots import write_plots
-    from trace.tracking.experiment import resolve_tracking_uri, share_arms_view, ui_url
+    from trace.tracking.experiment import resolve_tracking_uri, run_artifacts_url, share_arms_view, ui_url
 
     cfg = load_config(params)
     results = collect(cfg)
@@ -68,12 +69,21 @@ def report_flow(params: str) -> dict:
     view_key = share_arms_view(client, next(iter(first.values()))["experiment_id"], eval_ids,
                                cfg.evaluate.pass_k) if first and eval_ids else None
     links = mlflow_links(results, ui_url(cfg.tracking.tracking_uri), view_key)
-    (REPORTS / "summary.md").write_text(render_markdown(results, warmup, cfg.evaluate.pass_k, links,
-                                                        [p.name for p in plots],
-                                                        num_eval=cfg.evaluate.num_prompts,
-                                                        warmup_questions=warmup_questions))
-    table = metrics_table(results, cfg.evaluate.pass_k, warmup=warmup, warmup_questions=warmup_questions)
-    write_json(REPORTS / "metrics.json", {"warmup": warmup, "ablations": table})
+    curves = write_curves(results, REPORTS / "curves")  # dvc.yaml's plots
+    stats = arm_statistics(results, cfg.evaluate.pass_k, warmup=warmup, warmup_questions=warmup_questions)
+    write_json(REPORTS / "arms.json", arm_summary(stats["arms"]))  # dvc.yaml's metrics: dvc exp show
+    with open_run(cfg, "report", stage_params(cfg, "report")) as run:
+        if links:
+            links["report"] = run_artifacts_url(ui_url(cfg.tracking.tracking_uri), run.experiment_id, run.run_id)
+        (REPORTS / "summary.md").write_text(render_markdown(results, warmup, cfg.evaluate.pass_k, links,
+                                                            [p.name for p in plots],
+                                                            num_eval=cfg.evaluate.num_prompts,
+                                                            warmup_questions=warmup_questions))
+        table = metrics_table(results, cfg.evaluate.pass_k, warmup=warmup, warmup_questions=warmup_questions)
+        write_json(REPORTS / "metrics.json", {"warmup": warmup, "ablations": table})
+        # the report in the MLflow UI: summary.md renders as Markdown in the run's artifacts tab
+        for path in (REPORTS / "summary.md", REPORTS / "metrics.json", REPORTS / "arms.json", *plots, *curves):
+            run.log_artifact(path)
     print((REPORTS / "summary.md").read_text())
     return table
 

@@ -131,6 +131,18 @@ def test_pipeline_runs_end_to_end_then_caches_and_reruns_only_downstream_of_a_ch
                 "tokens.png", "avgk_vs_steps.png", "avgk_vs_tokens.png"):
         assert (project_dir / "reports" / png).stat().st_size > 1000
 
+    # the report where users look: its own MLflow run holds summary.md and the plots; DVC's metrics and curves
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{project_dir / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("trace-tiny")
+    report_run = client.search_runs([experiment.experiment_id], "tags.`trace.stage` = 'report'")[0]
+    logged = {a.path for a in client.list_artifacts(report_run.info.run_id)}
+    assert {"summary.md", "metrics.json", "arms.json", "avgk_vs_tokens.png", "train.csv", "eval.csv"} <= logged
+    assert f"runs/{report_run.info.run_id}/artifacts" in summary
+    arms = json.loads((project_dir / "reports" / "arms.json").read_text())
+    assert set(arms) == {"grpo", "dapo", "trace"} and "gain_avgk" in arms["grpo"]
+
     from trace.tree_io import read_trees, tree_path
 
     trees = read_trees(tree_path(project_dir / "data" / "runs" / "trace" / "s0" / "trees", "trace", 0))

@@ -208,7 +208,8 @@ def render_markdown(results: dict, warmup: dict, pass_k: int, links: dict[str, s
     if plots:
         lines += ["Plots: " + ", ".join(f"`{name}`" for name in plots) + ".", ""]
     if links:
+        report = f", [this report and its plots]({links['report']})" if links.get("report") else ""
         lines += [f"MLflow (`make ui`): [the arms' results]({links['runs']}) (every seed's evaluate run, grouped by "
                   "arm with the mean over seeds: `arm/acc`, `arm/eff_ratio`, ...), "
-                  f"[compare the arms]({links['compare']}).", ""]
+                  f"[compare the arms]({links['compare']}){report}.", ""]
     return "\n".join(lines)

@@ -143,6 +143,11 @@ def share_arms_view(client, experiment_id: str, run_ids: Sequence[str], pass_k: 
     return key
 
 
+def run_artifacts_url(base_url: str, experiment_id: str, run_id: str) -> str:
+    """Link to a run's artifacts tab in the MLflow UI (where a logged ``summary.md`` renders as Markdown)."""
+    return f"{base_url}/#/experiments/{experiment_id}/runs/{run_id}/artifacts"
+
+
 def compare_url(base_url: str, experiment_id: str, run_ids: list[str]) -> str:
     """Link to MLflow's compare view of ``run_ids`` (the page the runs table's *Compare* button opens)."""
     runs = urllib.parse.quote(json.dumps(list(run_ids)), safe="")
