@@ -22,7 +22,9 @@ continues from its last checkpoint, even after DVC restored the stage's outputs 
 from the checkpoint folder at the end.
 
 MLflow gets a step's metrics once the checkpoint that holds the step is saved (from the trainer's history),
-so a resumed run logs every step exactly once.
+so a resumed run logs every step exactly once. At each evaluation step the run also shows a bounded sample of
+that step's rollouts (the table ``rollouts.json``) and a picture of its first trees (image key ``rollout_trees``),
+read back from the step's Parquet trees (``log_rollouts``, ``trace.tracking.rollouts``).
 
 Ranks: with ``launch.launcher`` set, the stage command starts its launcher (``flows.launch``) and every rank
 runs this flow's code (``trace.training.parallel``: data-parallel rollouts and update). Rank 0 alone holds the
@@ -86,6 +88,34 @@ def log_checkpointed_steps(run, history: list[dict], until_step: int, logged: se
             logged.add(step)
 
 
+def log_rollouts(run, trainer, ablation: str, history: list[dict], until_step: int, shown: set[int]) -> None:
+    """For each evaluation step ``< until_step`` of ``history`` not in ``shown``: a bounded sample of its
+    trajectories into the run's ``rollouts.json`` table and a picture of its first trees (``tracking.*``,
+    ``trace.tracking.rollouts``), read from the step's Parquet trees."""
+    from trace.tracking.names import EVAL_ACCURACY
+    from trace.tracking.rollouts import ROLLOUT_TABLE, TREE_IMAGE_KEY, rollout_rows, tree_image
+    from trace.tree_io import read_trees, tree_path
+
+    tcfg = trainer.cfg.tracking
+    for entry in history:
+        step = int(entry["step"])
+        if step >= until_step or step in shown or EVAL_ACCURACY not in entry:
+            continue
+        shown.add(step)
+        path = tree_path(trainer.trees_root, ablation, step)
+        if not path.is_file() or not (tcfg.rollout_rows or tcfg.tree_images):
+            continue
+        trees = read_trees(path)
+        rows = rollout_rows(trees, step, tcfg.rollout_rows, tcfg.rollout_chars)
+        if rows:
+            import pandas as pd
+
+            run.client.log_table(run.run_id, pd.DataFrame(rows), ROLLOUT_TABLE)
+        image = tree_image(trees, step, tcfg.tree_images, title=ablation) if tcfg.tree_images else None
+        if image is not None:
+            run.client.log_image(run.run_id, image, key=TREE_IMAGE_KEY, step=step)
+
+
 def logged_steps(run) -> set[int]:
     """Steps the MLflow run already holds (by ``STEP_MARKER``)."""
     from trace.tracking import metric_key
@@ -141,13 +171,16 @@ def train_flow(params: str, ablation: str, seed: int | None = None) -> dict:
         with (open_run(cfg, "train", stage_params(cfg, "train"), ablation=ablation, resume=True,
                        continue_run=start > 0) if main_rank() else contextlib.nullcontext()) as run:
             logged = logged_steps(run) if start and run else set()
+            shown: set[int] = set()  # evaluation steps whose rollouts this run shows (a resumed run: a new run)
             if run:
                 log_checkpointed_steps(run, trainer.history, start, logged)
+                log_rollouts(run, trainer, ablation, trainer.history, start, shown)
             step = start
             while step < cfg.train.num_steps:
                 step = steps_task(trainer, min(step + cfg.train.steps_per_task, cfg.train.num_steps))
                 if run:
                     log_checkpointed_steps(run, trainer.history, trainer.checkpoint_step, logged)
+                    log_rollouts(run, trainer, ablation, trainer.history, trainer.checkpoint_step, shown)
             summary = trainer.summary()
             write_outputs(trainer, policy, run_dir(ablation, cfg.seed), summary, ablation, cfg.seed)
             if run:

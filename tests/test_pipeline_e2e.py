@@ -142,6 +142,18 @@ def test_pipeline_runs_end_to_end_then_caches_and_reruns_only_downstream_of_a_ch
     assert f"runs/{report_run.info.run_id}/artifacts" in summary
     arms = json.loads((project_dir / "reports" / "arms.json").read_text())
     assert set(arms) == {"grpo", "dapo", "trace"} and "gain_avgk" in arms["grpo"]
+    # each train run shows its rollouts at the evaluation steps (1 and 2: every 2 steps and the last): a table of
+    # at most tracking.rollout_rows (5) rows a step, cut to rollout_chars (80), and the tree pictures by step
+    train_run = client.search_runs([experiment.experiment_id], "tags.`trace.stage` = 'train' and "
+                                   "tags.`trace.ablation` = 'trace'")[0]
+    table = json.loads(Path(client.download_artifacts(train_run.info.run_id, "rollouts.json",
+                                                      str(project_dir / "downloaded"))).read_text())
+    assert table["columns"][:4] == ["step", "prompt_uid", "prompt", "trajectory"] and "branch_turn" in table["columns"]
+    assert sorted({row[0] for row in table["data"]}) == [1, 2] and len(table["data"]) == 10
+    assert max(len(row[3]) for row in table["data"]) <= 80
+    images = [a.path for a in client.list_artifacts(train_run.info.run_id, "images")]
+    assert any("rollout_trees+step+1+" in p for p in images), images
+    assert any("rollout_trees+step+2+" in p for p in images), images
 
     from trace.tree_io import read_trees, tree_path
 

@@ -260,6 +260,10 @@ class EvaluateConfig(_Section):
 class TrackingConfig(_Section):
     tracking_uri: Optional[str] = Field(None, description="MLflow URI; None = env MLFLOW_TRACKING_URI or sqlite:///mlflow.db")
     experiment_name: str = Field("trace-kgqa", min_length=1, description="MLflow experiment (made a model-training one)")
+    rollout_rows: int = Field(32, ge=0, description="trajectories per in-training evaluation step logged to the train "
+                              "run's rollouts.json table (trace.tracking.rollouts); 0 = none")
+    rollout_chars: int = Field(300, ge=1, description="characters at most per text field of that table")
+    tree_images: int = Field(4, ge=0, description="rollout trees drawn per evaluation step (image key rollout_trees); 0 = none")
 
 
 class LaunchConfig(_Section):
