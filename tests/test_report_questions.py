@@ -138,9 +138,10 @@ def test_the_report_reads_each_evaluations_questions_and_checks_them_against_its
         attach_question_results(results, path_of)
 
 
-def test_an_evaluation_keeps_each_questions_greedy_reward_by_prompt_uid():
+def _tiny_evaluation(pass_k: int):
+    """An untrained tiny policy evaluated on 4 held-out prompts: (prompts, metrics, trees)."""
     from trace.envs.registry import make_environment
-    from trace.training.evaluation import evaluate_policy, question_rewards
+    from trace.training.evaluation import evaluate_policy
     from trace.configuration.params_file import load_config
     from trace.policy.model import build_tiny_policy
 
@@ -149,7 +150,14 @@ def test_an_evaluation_keeps_each_questions_greedy_reward_by_prompt_uid():
     policy = build_tiny_policy(cfg.policy, env.vocabulary(), cfg.seed)
     prompts = env.prompts("eval")[:4]
     metrics, trees = evaluate_policy(policy, env, prompts, cfg.rollout, seed=0,
-                                     max_context_tokens=cfg.policy.max_context_tokens, pass_k=2)
+                                     max_context_tokens=cfg.policy.max_context_tokens, pass_k=pass_k)
+    return prompts, metrics, trees
+
+
+def test_an_evaluation_keeps_each_questions_greedy_reward_by_prompt_uid():
+    from trace.training.evaluation import question_rewards
+
+    prompts, metrics, trees = _tiny_evaluation(pass_k=2)
     by_question = question_rewards(trees[: len(prompts)])
     assert list(by_question) == [p.prompt_uid for p in prompts]
     assert np.mean(list(by_question.values())) == metrics["accuracy/greedy"]
@@ -229,18 +237,10 @@ def test_an_evaluation_keeps_each_questions_sampled_success_and_it_reads_back(tm
     """The record the evaluate stage writes (``sampled_by_question``) averages to its mean@k, and the report
     reads the same values back."""
     from flows.common import write_json
-    from trace.envs.registry import make_environment
-    from trace.training.evaluation import evaluate_policy, sampled_question_rewards
-    from trace.configuration.params_file import load_config
-    from trace.policy.model import build_tiny_policy
+    from trace.training.evaluation import sampled_question_rewards
     from trace.tracking.names import SAMPLED_QUESTIONS_KEY
 
-    cfg = load_config(ROOT / "tests" / "params_tiny.yaml")
-    env = make_environment(cfg.task, cfg.seed)
-    policy = build_tiny_policy(cfg.policy, env.vocabulary(), cfg.seed)
-    prompts = env.prompts("eval")[:4]
-    metrics, trees = evaluate_policy(policy, env, prompts, cfg.rollout, seed=0,
-                                     max_context_tokens=cfg.policy.max_context_tokens, pass_k=3)
+    prompts, metrics, trees = _tiny_evaluation(pass_k=3)
     sampled = sampled_question_rewards(trees[len(prompts):])
     assert list(sampled) == [p.prompt_uid for p in prompts]
     assert all(v in (0.0, 1 / 3, 2 / 3, 1.0) for v in sampled.values())
