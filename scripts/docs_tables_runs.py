@@ -184,7 +184,7 @@ def tokens_to_target_table(ctx: Context, key: str, sampled: bool = False) -> str
     if metrics is None:
         return _missing(ctx, key)
     abl = metrics["ablations"]
-    last, hit_key = ("arm/last_eval_avgk", "tokens_to_grpo_final_sampled") if sampled else \
+    last, hit_key = ("arm/last_avgk", "tokens_to_grpo_final_sampled") if sampled else \
         ("arm/last_eval_acc", "tokens_to_grpo_final")
     finals = [abl["grpo"][s].get(last) for s in _seeds(abl["grpo"])] if "grpo" in abl else []
     finals = [f for f in finals if _finite(f)]

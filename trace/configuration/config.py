@@ -208,13 +208,10 @@ class TrainConfig(_Section):
     steps_per_task: int = Field(10, ge=1, description="training steps per Prefect task (orchestration overhead)")
     eval_every: int = Field(20, ge=1, description="greedy accuracy on held-out prompts every N steps (and at the end)")
     eval_prompts: int = Field(100, ge=1, description="held-out prompts for the in-training evaluation")
-    eval_samples: int = Field(0, ge=0, description="k sampled rollouts per held-out prompt at each in-training "
-                              "evaluation (evaluate.temperature, fixed seeds): accuracy/eval_sampled, avg@k; 0 = greedy only")
-    probe_prompts: int = Field(0, ge=0, description="first N training prompts sampled probe_samples times each, "
-                               "on fixed seeds, before step 0 and at each evaluation (probe/gain); 0 = off")
+    eval_samples: int = Field(0, ge=0, description="avg@k at each evaluation: k rollouts per prompt, fixed seeds; 0 = off")
+    probe_prompts: int = Field(0, ge=0, description="first N training prompts x probe_samples, fixed seeds (probe/gain)")
     probe_samples: int = Field(4, ge=1, description="sampled rollouts per probe prompt")
-    ablations: tuple[str, ...] = Field(tuple(ARMS), description="arms run by train@<ablation>-<seed> "
-                                       "(names of trace.allocation.arms.ARMS)")
+    ablations: tuple[str, ...] = Field(tuple(ARMS), description="arms of train@<arm>-<seed> (trace.allocation.arms)")
     # exclude: not in params_hash; a train/evaluate run's hash holds its own seed (flows/common.py run_config)
     seeds: Optional[tuple[int, ...]] = Field(None, exclude=True, description="training seeds: train@/evaluate@ "
                                              "run once per arm and seed; None = the global seed only")
@@ -254,16 +251,15 @@ class SeedRolloutConfig(_Section):
 class EvaluateConfig(_Section):
     num_prompts: int = Field(200, ge=1, description="held-out prompts")
     pass_k: int = Field(8, ge=1, description="k sampled rollouts per prompt: avg@k (mean@k) and pass@k")
-    temperature: float = Field(1.0, gt=0, description="sampling temperature for pass@k")
+    temperature: float = Field(1.0, gt=0, description="temperature of the sampled rollouts")
 
 
 class TrackingConfig(_Section):
     tracking_uri: Optional[str] = Field(None, description="MLflow URI; None = env MLFLOW_TRACKING_URI or sqlite:///mlflow.db")
     experiment_name: str = Field("trace-kgqa", min_length=1, description="MLflow experiment (made a model-training one)")
-    rollout_rows: int = Field(32, ge=0, description="trajectories per in-training evaluation step logged to the train "
-                              "run's rollouts.json table (trace.tracking.rollouts); 0 = none")
-    rollout_chars: int = Field(300, ge=1, description="characters at most per text field of that table")
-    tree_images: int = Field(4, ge=0, description="rollout trees drawn per evaluation step (image key rollout_trees); 0 = none")
+    rollout_rows: int = Field(32, ge=0, description="rollouts per evaluation step in the train run's rollouts.json")
+    rollout_chars: int = Field(300, ge=1, description="characters at most per text field of rollouts.json")
+    tree_images: int = Field(4, ge=0, description="trees drawn per evaluation step (image key rollout_trees)")
 
 
 class LaunchConfig(_Section):

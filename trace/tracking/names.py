@@ -33,7 +33,7 @@ SUMMARY_METRIC_NAMES: dict[str, str] = {
     "mean/predictor/brier": "arm/brier",
     "mean/predictor/auc": "arm/auc",
     "last/accuracy_eval": "arm/last_eval_acc",
-    "last/accuracy_eval_sampled": "arm/last_eval_avgk",
+    "last/accuracy_eval_sampled": "arm/last_avgk",
     "tokens/cumulative": "arm/tokens",
     "train/steps": "arm/steps",
 }
