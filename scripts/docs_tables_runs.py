@@ -186,7 +186,9 @@ def tokens_to_target_table(ctx: Context, key: str, sampled: bool = False) -> str
     abl = metrics["ablations"]
     last, hit_key = ("arm/last_avgk", "tokens_to_grpo_final_sampled") if sampled else \
         ("arm/last_eval_acc", "tokens_to_grpo_final")
-    finals = [abl["grpo"][s].get(last) for s in _seeds(abl["grpo"])] if "grpo" in abl else []
+    # runs trained before the name arm/last_avgk logged the same value as arm/last_eval_avgk
+    finals = [abl["grpo"][s].get(last, abl["grpo"][s].get("arm/last_eval_avgk")) for s in _seeds(abl["grpo"])] \
+        if "grpo" in abl else []
     finals = [f for f in finals if _finite(f)]
     if not finals:
         return "No `grpo` in-training evaluation in this report: no target accuracy. " + _source(ctx, folder)
