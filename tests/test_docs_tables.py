@@ -211,3 +211,18 @@ def test_a_hand_typed_result_in_the_prose_is_caught(repo_copy):
     root, _ = repo_copy
     (root / "README.md").write_text("# trace\n\n`grpo` gains +0.018 (a report's number); `trace` reached 0.7731.\n")
     assert unsourced_numbers(root) == [("README.md", "0.7731")]
+
+
+def test_the_avg_at_k_tokens_table_reads_grpos_final_avg_at_k_and_the_sampled_crossings(tmp_path):
+    # grpo's final in-training avg@k 0.52 / 0.54 / 0.56 (mean 0.540), the second seed under the earlier metric name
+    seeds = {"s0": {"arm/last_avgk": 0.52}, "s1": {"arm/last_eval_avgk": 0.54}, "s2": {"arm/last_avgk": 0.56}}
+    ablations = {"grpo": {"mean": {}, "tokens_to_grpo_final_sampled": {"mean": 300000.0, "low": 250000.0,
+                                                                       "high": 350000.0, "n": 3}, **seeds},
+                 "trace": {"mean": {}, "tokens_to_grpo_final_sampled": None, **seeds}}
+    folder = tmp_path / "reports" / "runs" / "paper-x"
+    folder.mkdir(parents=True)
+    (folder / "metrics.json").write_text(json.dumps({"ablations": ablations, "warmup": {}}))
+    ctx = docs_tables.Context(root=tmp_path, doc=tmp_path / "README.md", index={"paper": "paper-x"})
+    text = docs_tables.tokens_to_target_table(ctx, "paper", sampled=True)
+    assert "| arm | tokens to 0.540 | seeds reaching |" in text and "held-out avg@k first reaches 0.540" in text
+    assert "| `grpo` | 300,000 [250,000, 350,000] | 3/3 |" in text and "| `trace` | not reached | 0/3 |" in text
