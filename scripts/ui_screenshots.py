@@ -22,8 +22,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -66,20 +64,6 @@ def _newest_run(client, experiment_id: str, stage: str, arm: str | None = None):
         raise SystemExit(f"error: no finished {stage} run{f' of {arm}' if arm else ''} in the experiment: run "
                          "`make run` first")
     return runs[0]
-
-
-def _wait_for(url: str, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise SystemExit(f"error: the MLflow UI did not answer at {url} within {seconds:.0f} s")
-        time.sleep(0.5)
 
 
 def screenshot(browser: str, url: str, path: Path, width: int = 1600, height: int = 1000,
@@ -129,7 +113,12 @@ def main(argv: list[str] | None = None) -> int:
                                str(args.port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True)
     try:
-        _wait_for(f"{base}/health", 90)
+        from benchmarks.grid import wait_http
+
+        try:
+            wait_http(f"{base}/health", 90, server)
+        except RuntimeError as err:
+            raise SystemExit(f"error: the MLflow UI did not start: {err}") from None
         args.out.mkdir(parents=True, exist_ok=True)
         for view, url in urls.items():
             screenshot(args.browser, url, args.out / f"{view}.png")
