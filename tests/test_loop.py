@@ -259,5 +259,5 @@ def test_the_in_training_avg_at_k_samples_the_same_streams_at_every_evaluation(t
     assert 0.0 < metrics[-1]["accuracy/eval_sampled"] < 1.0
     assert trainer.summary()["last/accuracy_eval_sampled"] == metrics[-1]["accuracy/eval_sampled"]
     # without train.eval_samples the curve is greedy only
-    plain = tiny_trainer("grpo", tmp_path / "plain", {"train.num_steps": 1, "train.eval_every": 1})
+    plain = tiny_trainer("grpo", tmp_path / "plain", {"train.num_steps": 1, "train.eval_every": 1, "train.eval_samples": 0})
     assert "accuracy/eval_sampled" not in plain.run()[-1]
