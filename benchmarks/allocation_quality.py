@@ -63,7 +63,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from benchmarks.common import figure_path, mean_std, parse_args, pyplot, write_report
-from trace.allocation.arms import ARMS, Arm, get_arm
+from trace.allocation.arms import ARMS, Arm, get_arm, make_allocator_state
 from trace.allocation.prefix import split_expansion_budget
 from trace.allocation.prefix_rules import plan_expansion
 from trace.allocation.samplers import SimulatorSampler
@@ -159,11 +159,14 @@ def contrast_metrics(trees: Sequence[RolloutTree]) -> dict[str, float]:
 
 
 def simulated_step(spec: Arm, env: SimulatorEnvironment, pool: Sequence[Prompt], predictor: Any,
-                   acfg: AllocationConfig, *, seed: int, step: int) -> tuple[list[RolloutTree], dict[str, float]]:
+                   acfg: AllocationConfig, *, seed: int, step: int, state: Any = None
+                   ) -> tuple[list[RolloutTree], dict[str, float]]:
     """One training step of arm ``spec`` with the simulator in place of the policy (no update).
 
     Root rollouts draw from one stream (``sim-roots``), continuations from ``sim-branches`` and extra root
     rollouts from ``sim-extra-roots``, all of ``(seed, step)``.
+
+    ``state`` is the arm's ``AllocatorState`` (``make_allocator_state``), carried from step to step by the caller.
 
     Returns:
         ``(trees, metrics)``: every tree sampled this step, and the step's allocation diagnostics,
@@ -176,7 +179,7 @@ def simulated_step(spec: Arm, env: SimulatorEnvironment, pool: Sequence[Prompt],
     sampler = SimulatorSampler(env, predictor, step_rng(seed, step, "sim-roots"),
                                lambda salt: step_rng(seed, step, continuation_salts.get(salt, f"sim-{salt}")),
                                step=step, ablation=spec.name)
-    result = allocate_step(spec, candidates, sampler, acfg, lambda salt: step_rng(seed, step, salt))
+    result = allocate_step(spec, candidates, sampler, acfg, lambda salt: step_rng(seed, step, salt), state=state)
     trees = result.sampled_trees
     metrics: dict[str, float] = dict(result.metrics)
     metrics.update(rollout_metrics(trees, num_candidates=len(candidates)))
@@ -237,9 +240,10 @@ def run_arm(arm: str, setting: str, env: SimulatorEnvironment, pool: Sequence[Pr
     predictor = make_setting_predictor(setting, env, warm) if spec.uses_predictor else None
     learns = setting in ("history", "learned") and predictor is not None
     window: deque[list[RolloutTree]] = deque(maxlen=window_steps)
+    state = make_allocator_state(spec, acfg)
     steps, scores = [], []
     for step in range(num_steps):
-        trees, metrics = simulated_step(spec, env, pool, predictor, acfg, seed=seed, step=step)
+        trees, metrics = simulated_step(spec, env, pool, predictor, acfg, seed=seed, step=step, state=state)
         steps.append(metrics)
         if predictor is not None and score_predictor:
             scores.append(predictor_quality(predictor, probe_trees(env, pool, acfg, seed=seed, step=step)))

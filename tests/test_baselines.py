@@ -13,7 +13,10 @@ from trace.allocation.prefix import allocate_prefixes, candidate_anchors, split_
 from trace.allocation.root import allocate_roots
 from trace.configuration.config import AllocationConfig
 
-ARM_NAMES = ("grpo", "dapo", "knapsack", "pcl", "tree_random", "treepo", "trace_root", "trace_prefix", "trace")
+ARM_NAMES = ("grpo", "dapo", "knapsack", "pcl", "tree_random", "treepo", "trace_root", "trace_prefix", "trace",
+             "reinforce_ada", "greso", "mopps", "vip")
+# the rules that plan without sampling or state (the others: tests/test_allocator_*.py)
+PLANNING_ARMS = [a for a in ARM_NAMES if a not in ("dapo", "reinforce_ada", "greso", "mopps", "vip")]
 
 
 def plan(name, p, budget=128, ratio=1.0, group_size=8, m_min=2, m_max=16, tie_keys=None):
@@ -121,7 +124,7 @@ def test_dapo_is_refused_by_the_planner():
 
 
 # ---- equal budget ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", [a for a in ARM_NAMES if a != "dapo"])
+@pytest.mark.parametrize("name", PLANNING_ARMS)
 @pytest.mark.parametrize("budget,ratio,num_candidates", [(128, 1.0, 32), (130, 0.5, 20), (64, 3.0, 40)])
 def test_every_rule_samples_exactly_the_trajectory_budget(name, budget, ratio, num_candidates):
     p = np.random.default_rng(2).random(num_candidates)

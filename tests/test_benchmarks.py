@@ -7,7 +7,7 @@ import pytest
 
 from benchmarks import (allocation_quality, lora_update, orchestration, real_task_step, rollout_engine, run_all,
                         solver_speed, step_dtype)
-from trace.allocation.arms import ARMS, get_arm
+from trace.allocation.arms import ARMS, get_arm, make_allocator_state
 from trace.allocation.prefix import allocate_prefixes, prefix_value
 from trace.configuration.config import AllocationConfig, PredictorConfig, PredictorKind, SimulatorConfig
 from trace.envs.simulator import SimulatorEnvironment
@@ -187,7 +187,8 @@ def test_simulated_step_spends_the_trajectory_budget_for_every_arm():
     oracle = make_predictor(PredictorConfig(kind=PredictorKind.ORACLE), env=env)
     for arm in ARMS:
         _, metrics = allocation_quality.simulated_step(get_arm(arm), env, env.prompts(), oracle, acfg,
-                                                       seed=0, step=0)
+                                                       seed=0, step=0,
+                                                       state=make_allocator_state(get_arm(arm), acfg))
         assert metrics["rollout/trajectories"] == 32 or (arm == "dapo" and metrics["rollout/trajectories"] <= 32)
         # the audit of each arm: a forecast only where the arm reads predictions
         assert metrics["audit/groups"] == metrics["rollout/prompts"]

@@ -45,10 +45,27 @@ def test_state_file_holds_the_counters_in_the_order_resume_reads_them(tmp_path):
     assert state_path(tmp_path) == tmp_path / CHECKPOINT_DIR / STATE_FILE
     state = json.loads(state_path(tmp_path).read_text())
     assert list(state) == ["next_step", "tag", "params_hash", "ablation", "cumulative_tokens",
-                           "cumulative_trajectories", "world_size", "zero_stage", "history"]
+                           "cumulative_trajectories", "world_size", "zero_stage", "history", "allocator_state"]
     assert state["tag"] == "step000002" and state["next_step"] == 2 and len(state["history"]) == 2
+    assert state["allocator_state"] is None  # the arm's root rule keeps no state
     # what a resume at another world size needs to know: whose shards these are
     assert state["world_size"] == 1 and state["zero_stage"] == 0
+
+
+def test_the_allocators_state_is_written_with_the_counters_and_read_back_as_it_was(tmp_path):
+    from trace.allocation.mopps import MoppsState
+
+    posterior = MoppsState()
+    posterior.observe(["kgqa/q1", "kgqa/q2"], [[1.0, 0.0, 1.0], [0.0, 0.0]])
+    write_checkpoint(tmp_path, 3, updater=RecordingUpdater(), predictor=DictPredictor(), params_hash="h",
+                     ablation="mopps", cumulative_tokens=0.0, cumulative_trajectories=0.0, history=[],
+                     allocator_state=posterior.state_dict())
+    state = load_checkpoint(tmp_path, updater=RecordingUpdater(), predictor=DictPredictor(), params_hash="h",
+                            ablation="mopps")
+    restored = MoppsState()
+    restored.load_state_dict(state["allocator_state"])
+    assert restored.state_dict() == posterior.state_dict() == {"alpha": {"kgqa/q1": 3.0, "kgqa/q2": 1.0},
+                                                               "beta": {"kgqa/q1": 2.0, "kgqa/q2": 3.0}}
 
 
 def test_a_new_checkpoint_removes_the_older_tags_and_predictor_files(tmp_path):

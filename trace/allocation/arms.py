@@ -16,6 +16,17 @@ Root rules (``ROOT_RULES``), each ``fn(RootRequest) -> RootDecision``:
   highest-value prompts.
 - ``trace``: ``allocate_roots`` (TRACE stage 1).
 - ``dapo``: sequential sampling until mixed groups are found (``trace.allocation.dapo``).
+- ``reinforce_ada``: rounds of samples to each prompt until its group has enough positives and negatives
+  (``trace.allocation.reinforce_ada``, arXiv 2510.04996).
+- ``greso``: skip prompts whose recent groups all agreed, with self-tuning probabilities
+  (``trace.allocation.greso``, arXiv 2506.02177).
+- ``mopps``: a Beta posterior of each prompt's success, Thompson-sampled toward 0.5 (``trace.allocation.mopps``,
+  arXiv 2507.04632).
+- ``vip``: a Gaussian-process forecast over prompt embeddings and variance-minimising counts
+  (``trace.allocation.vip``, arXiv 2602.01601).
+
+``greso``, ``mopps`` and ``vip`` keep state across steps (``make_allocator_state``; the training loop saves it
+in its checkpoints); none of the four reads the success predictor.
 
 To add an arm: register its root rule here (``@register_root_rule``) if it needs a new one, and add its row
 to ``ARMS``; ``train.ablations`` accepts every registered arm.
@@ -27,16 +38,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from trace.allocation import dapo, prefix_rules  # noqa: F401  (importing them registers their rules)
+from trace.allocation import dapo, greso, mopps, prefix_rules, reinforce_ada, vip  # noqa: F401  (registers rules)
 from trace.allocation.registry import ROOT_RULES, Arm, RootDecision, RootRequest, get_prefix_rule, get_root_rule, \
     register_root_rule
 from trace.allocation.objectives import check_root_objective
-from trace.allocation.root import allocate_roots, canonical_order, check_root_budget_feasible
+from trace.allocation.root import allocate_roots, canonical_order, check_root_budget_feasible, \
+    uniform_root_counts
 
 __all__ = [
     "ARMS",
     "RootPlan",
     "get_arm",
+    "make_allocator_state",
     "register_arm",
     "root_budget_for",
     "stage1_floor",
@@ -45,37 +58,6 @@ __all__ = [
 ]
 
 # ---- stage-1 root rules --------------------------------------------------------------------------------
-def uniform_root_counts(num_candidates: int, root_budget: int, group_size: int,
-                        order: np.ndarray | None = None) -> np.ndarray:
-    """Uniform groups: ``k = min(B, max(1, R // n))`` candidates share ``R`` as evenly as possible.
-
-    Args:
-        num_candidates: B.
-        root_budget: R trajectories (>= 0).
-        group_size: n (>= 1).
-        order: (B,) candidate positions in preference order; None takes them in input order.
-
-    Returns:
-        (B,) int64 counts; the first ``R mod k`` chosen candidates get one extra rollout.
-
-    Raises:
-        ValueError: a positive budget with no candidates, or ``group_size < 1``.
-    """
-    if group_size < 1:
-        raise ValueError(f"allocation.group_size must be >= 1, got {group_size}")
-    counts = np.zeros(num_candidates, dtype=np.int64)
-    if root_budget == 0:
-        return counts
-    if num_candidates == 0:
-        raise ValueError(f"cannot spend {root_budget} trajectories on 0 candidates: raise allocation.num_candidates")
-    order = np.arange(num_candidates) if order is None else np.asarray(order)
-    num_active = min(num_candidates, max(1, root_budget // group_size))
-    base, extra = divmod(root_budget, num_active)
-    counts[order[:num_active]] = base
-    counts[order[:extra]] += 1
-    return counts
-
-
 @register_root_rule("uniform")
 def uniform_root_rule(request: RootRequest) -> RootDecision:
     """GRPO: ``uniform_root_counts`` in candidate order."""
@@ -178,6 +160,10 @@ for _row in (
     Arm("trace_root", "trace", "none", "tree_grpo", uses_predictor=True),  # TRACE stage 1 only
     Arm("trace_prefix", "uniform", "trace", "tree_grpo", uses_predictor=True),  # uniform roots + TRACE stage 2
     Arm("trace", "trace", "trace", "tree_grpo", uses_predictor=True),  # both stages
+    Arm("reinforce_ada", "reinforce_ada", "none", "grpo", uses_predictor=False),  # rounds until a prompt has contrast
+    Arm("greso", "greso", "none", "grpo", uses_predictor=False),  # skip prompts whose recent groups agreed
+    Arm("mopps", "mopps", "none", "grpo", uses_predictor=False),  # Beta posterior per prompt, Thompson toward 0.5
+    Arm("vip", "vip", "none", "grpo", uses_predictor=False),  # GP forecast, variance-minimising counts
 ):
     register_arm(_row)
 
@@ -193,6 +179,17 @@ def get_arm(name: str) -> Arm:
     except (KeyError, TypeError):
         raise ValueError(f"unknown ablation {name!r}; valid names: {', '.join(ARMS)} "
                          "(set train.ablations in params.yaml)") from None
+
+
+def make_allocator_state(arm: Arm, allocation_config=None):
+    """A fresh ``AllocatorState`` for ``arm``'s root rule, or None when the rule keeps no state across steps.
+
+    Args:
+        arm: the arm.
+        allocation_config: the allocation section (``AllocationConfig``); None takes the rule's defaults.
+    """
+    make_state = get_root_rule(arm.root_rule).make_state
+    return None if make_state is None else make_state(allocation_config)
 
 
 def root_budget_for(arm: Arm, trajectory_budget: int, expansion_ratio: float) -> int:
@@ -248,7 +245,8 @@ class RootPlan:
 def plan_root_counts(arm: Arm, pred_success_prob, *, trajectory_budget: int, expansion_ratio: float,
                      group_size: int, m_min: int, m_max: int, knapsack_m_min: int | None = None,
                      tie_keys=None, exact_max_cells: int = 2_000_000, max_retries: int = 4,
-                     rng_for=None, sample_groups=None, root_objective: str = "groups") -> RootPlan:
+                     rng_for=None, sample_groups=None, root_objective: str = "groups", sample_more=None,
+                     prompt_uids=None, prompt_texts=None, state=None, config=None) -> RootPlan:
     """Root rollouts per candidate for one step, by the arm's root rule.
 
     Args:
@@ -272,6 +270,12 @@ def plan_root_counts(arm: Arm, pred_success_prob, *, trajectory_budget: int, exp
         root_objective: the ``trace`` rule's stage-1 objective (``allocation.root_objective``): ``"groups"``
             (the paper's ``sum_i A(p_i, m_i)``) or ``"leaves"`` (``sum_i m_i A(p_i, m_i)``); the other rules
             ignore it.
+        sample_more: ``sample_more(trees, counts, salt)`` for rules that sample a prompt again in rounds
+            (``reinforce_ada``).
+        prompt_uids, prompt_texts: (B,) the candidates' ids and question texts, for rules with per-prompt
+            state (``greso``, ``mopps``, ``vip``).
+        state: the arm's ``AllocatorState`` (``make_allocator_state``), for the rules that keep one.
+        config: the allocation section, read for the per-rule settings (``allocation.greso`` ...).
 
     Returns:
         ``RootPlan``; ``counts.sum() + expansion_budget == trajectory_budget`` for the planning rules.
@@ -292,7 +296,9 @@ def plan_root_counts(arm: Arm, pred_success_prob, *, trajectory_budget: int, exp
     decision = rule.fn(RootRequest(pred_success_prob=p, root_budget=root_budget, trajectory_budget=trajectory_budget,
                                    group_size=group_size, m_min=m_min, m_max=m_max, knapsack_m_min=knapsack_m_min,
                                    tie_keys=tie_keys, exact_max_cells=exact_max_cells, max_retries=max_retries,
-                                   rng_for=rng_for, sample_groups=sample_groups, root_objective=root_objective))
+                                   rng_for=rng_for, sample_groups=sample_groups, root_objective=root_objective,
+                                   sample_more=sample_more, prompt_uids=prompt_uids, prompt_texts=prompt_texts,
+                                   state=state, config=config))
     counts = decision.counts
     info: dict = {"root_budget": root_budget, **decision.info, "active_prompts": int(np.count_nonzero(counts))}
     expansion_budget = (int(trajectory_budget - counts.sum()) if decision.expansion_budget is None

@@ -13,13 +13,14 @@ This module and the modules that register rules import numpy and ``trace.tree`` 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
 from trace.tree import RolloutTree
 
 __all__ = [
+    "AllocatorState",
     "Arm",
     "RootRequest",
     "RootDecision",
@@ -38,6 +39,28 @@ __all__ = [
 FloorFn = Callable[[int, int, int, "int | None"], "tuple[int, str, bool]"]
 # sample_groups(candidate_indices (G,) int64, n, salt) -> G trees of n root rollouts each
 GroupSampler = Callable[[np.ndarray, int, str], Sequence[RolloutTree]]
+# sample_more(trees, counts, salt): counts[i] more bare rollouts from the root of trees[i], appended in place
+MoreSampler = Callable[[Sequence[RolloutTree], Sequence[int], str], None]
+
+
+@runtime_checkable
+class AllocatorState(Protocol):
+    """What a root rule keeps across steps (a posterior, a skip history, a fitted model), one object per run.
+
+    ``trace.allocation.step.allocate_step`` passes it to the rule as ``RootRequest.state`` and, once the step's
+    trees are sampled, calls ``observe`` with them; the training loop saves ``state_dict()`` in every
+    checkpoint and loads it on resume, so a resumed run allocates exactly as an uninterrupted one.
+    """
+
+    def observe(self, prompt_uids: Sequence[str], rewards: Sequence[np.ndarray],
+                prompt_texts: Sequence[str]) -> dict[str, float]:
+        """Update on one step's outcome: the leaf rewards of every tree sampled, by prompt; returns metrics."""
+
+    def state_dict(self) -> dict:
+        """The state as a JSON-serialisable dict."""
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restore what ``state_dict`` returned."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +109,14 @@ class RootRequest:
             they allocate; None for a pure plan.
         root_objective: the stage-1 objective of the ``trace`` rule, ``"groups"`` or ``"leaves"``
             (``allocation.root_objective``).
+        sample_more: ``sample_more(trees, counts, salt)`` appends ``counts[i]`` bare rollouts from the root of
+            ``trees[i]`` (rules that sample a prompt again in later rounds); None for a pure plan.
+        prompt_uids: (B,) the candidates' prompt ids (``Prompt.prompt_uid``), for rules that keep per-prompt
+            state; None when the caller has none.
+        prompt_texts: (B,) the candidates' question texts, for rules that embed prompts; None when unknown.
+        state: the rule's ``AllocatorState`` for this run (``make_state`` of its registration), or None.
+        config: the allocation section (``trace.configuration.config.AllocationConfig``) for the per-rule
+            settings (``allocation.<rule>``); None takes each rule's defaults.
     """
 
     pred_success_prob: np.ndarray
@@ -101,6 +132,11 @@ class RootRequest:
     rng_for: Callable[[str], np.random.Generator] | None = None
     sample_groups: GroupSampler | None = None
     root_objective: str = "groups"
+    sample_more: MoreSampler | None = None
+    prompt_uids: Sequence[str] | None = None
+    prompt_texts: Sequence[str] | None = None
+    state: Any = None
+    config: Any = None
 
     @property
     def num_candidates(self) -> int:
@@ -138,22 +174,27 @@ class RootRule:
         fn: ``fn(request: RootRequest) -> RootDecision``.
         floor: for rules that solve stage 1, ``floor(num_candidates, root_budget, m_min, knapsack_m_min) ->
             (floor, params key, allow_skip)``, checked at config load; None for the others.
+        make_state: for rules that keep state across steps, ``make_state(allocation_config) ->
+            AllocatorState`` (a fresh state at step 0); None for stateless rules.
     """
 
     name: str
     fn: Callable[[RootRequest], RootDecision]
     floor: FloorFn | None = None
+    make_state: Callable[[Any], AllocatorState] | None = None
 
 
 ROOT_RULES: dict[str, RootRule] = {}
 
 
-def register_root_rule(name: str, *, floor: FloorFn | None = None):
+def register_root_rule(name: str, *, floor: FloorFn | None = None,
+                       make_state: Callable[[Any], AllocatorState] | None = None):
     """Decorator registering ``fn(request: RootRequest) -> RootDecision`` as the root rule ``name``.
 
     Args:
         name: the rule's name (what ``Arm.root_rule`` refers to).
         floor: the stage-1 floor of rules that solve stage 1 (see ``RootRule.floor``).
+        make_state: the state factory of rules that keep state across steps (see ``RootRule.make_state``).
 
     Returns:
         The decorator; it returns the function unchanged.
@@ -164,7 +205,7 @@ def register_root_rule(name: str, *, floor: FloorFn | None = None):
     def decorate(fn: Callable[[RootRequest], RootDecision]) -> Callable[[RootRequest], RootDecision]:
         if name in ROOT_RULES:
             raise ValueError(f"root rule {name!r} is registered already ({ROOT_RULES[name].fn.__qualname__})")
-        ROOT_RULES[name] = RootRule(name, fn, floor)
+        ROOT_RULES[name] = RootRule(name, fn, floor, make_state)
         return fn
     return decorate
 

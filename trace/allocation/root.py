@@ -52,6 +52,7 @@ __all__ = [
     "allocate_roots",
     "check_root_budget_feasible",
     "canonical_order",
+    "uniform_root_counts",
 ]
 
 
@@ -300,3 +301,34 @@ def allocate_roots(pred_success_prob, root_budget: int, m_min: int, m_max: int, 
     counts[order] = counts_sorted
     return RootAllocation(counts=counts, objective=objective, upper_bound=float(upper_bound),
                           gap=float(max(gap, 0.0)), method=method, root_objective=root_objective)
+
+
+def uniform_root_counts(num_candidates: int, root_budget: int, group_size: int,
+                        order: np.ndarray | None = None) -> np.ndarray:
+    """Uniform groups: ``k = min(B, max(1, R // n))`` candidates share ``R`` as evenly as possible.
+
+    Args:
+        num_candidates: B.
+        root_budget: R trajectories (>= 0).
+        group_size: n (>= 1).
+        order: (B,) candidate positions in preference order; None takes them in input order.
+
+    Returns:
+        (B,) int64 counts; the first ``R mod k`` chosen candidates get one extra rollout.
+
+    Raises:
+        ValueError: a positive budget with no candidates, or ``group_size < 1``.
+    """
+    if group_size < 1:
+        raise ValueError(f"allocation.group_size must be >= 1, got {group_size}")
+    counts = np.zeros(num_candidates, dtype=np.int64)
+    if root_budget == 0:
+        return counts
+    if num_candidates == 0:
+        raise ValueError(f"cannot spend {root_budget} trajectories on 0 candidates: raise allocation.num_candidates")
+    order = np.arange(num_candidates) if order is None else np.asarray(order)
+    num_active = min(num_candidates, max(1, root_budget // group_size))
+    base, extra = divmod(root_budget, num_active)
+    counts[order[:num_active]] = base
+    counts[order[:extra]] += 1
+    return counts

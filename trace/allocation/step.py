@@ -150,7 +150,7 @@ def _expand(arm: Arm, trees: list[RolloutTree], counts: np.ndarray, expansion_bu
 
 
 def allocate_step(arm: Arm, candidates: Sequence, sampler: StepSampler, acfg,
-                  rng_for: Callable[[str], np.random.Generator]) -> StepResult:
+                  rng_for: Callable[[str], np.random.Generator], state=None) -> StepResult:
     """Allocate and sample one step's trajectories for ``arm`` over ``candidates``.
 
     Args:
@@ -161,6 +161,9 @@ def allocate_step(arm: Arm, candidates: Sequence, sampler: StepSampler, acfg,
             ``expansion_ratio``, ``group_size``, ``m_min``, ``m_max``, ``knapsack_m_min``, ``exact_max_cells``,
             ``dapo_max_retries``, ``rounds``, ``treepo_width``.
         rng_for: ``rng_for(purpose) -> numpy Generator`` of the step (purposes ``"dapo"``, ``"expand<r>"``).
+        state: the arm's ``AllocatorState`` (``trace.allocation.arms.make_allocator_state``) for rules that keep
+            one across steps; the rule reads it, and once the step is sampled ``state.observe`` receives the
+            leaf rewards of every sampled tree (its metrics join the step's). None for stateless rules.
 
     Returns:
         ``StepResult``. Roots carry ``num_branches`` (their allocated rollouts) and, for arms that read the
@@ -188,13 +191,17 @@ def allocate_step(arm: Arm, candidates: Sequence, sampler: StepSampler, acfg,
         rule_sampled.extend(trees)
         return trees
 
+    def sample_more(trees: Sequence[RolloutTree], counts: Sequence[int], salt: str) -> None:
+        sampler.sample_continuations(trees, {(i, 0): int(k) for i, k in enumerate(counts) if k > 0}, salt)
+
     try:
         plan = plan_root_counts(arm, pred, trajectory_budget=acfg.trajectory_budget,
                                 expansion_ratio=acfg.expansion_ratio, group_size=acfg.group_size,
                                 m_min=acfg.m_min, m_max=acfg.m_max, knapsack_m_min=acfg.knapsack_m_min,
                                 tie_keys=tie_keys, exact_max_cells=acfg.exact_max_cells,
                                 max_retries=acfg.dapo_max_retries, rng_for=rng_for, sample_groups=sample_groups,
-                                root_objective=acfg.root_objective)
+                                root_objective=acfg.root_objective, sample_more=sample_more, prompt_uids=tie_keys,
+                                prompt_texts=[p.question for p in candidates], state=state, config=acfg)
     except NoMixedGroupError as err:
         # every sampled group agreed within the retry bound: nothing to learn from this step. Any other error
         # of the rollouts (retriever, backend, out of memory) is not an outcome and stops the run.
@@ -236,6 +243,10 @@ def allocate_step(arm: Arm, candidates: Sequence, sampler: StepSampler, acfg,
         sampler.sample_continuations(trees, {(i, 0): int(k) for i, k in enumerate(extra) if k > 0}, "extra_roots")
         timings["time/rollout"] += time.perf_counter() - t0  # bare rollouts from the roots, as stage 1's
         metrics["allocation/extra_root_rollouts"] = float(unspent)
+    if state is not None:
+        texts = {p.prompt_uid: p.question for p in candidates}
+        metrics.update(state.observe([t.prompt_uid for t in sampled_trees], [t.leaf_rewards() for t in sampled_trees],
+                                     [texts.get(t.prompt_uid, "") for t in sampled_trees]))
     return StepResult(trees=trees, sampled_trees=sampled_trees, metrics=metrics, timings=timings,
                       is_filtered=plan.trees is not None, root_pred_success_prob=root_pred, root_counts=root_counts,
                       anchors=chosen)

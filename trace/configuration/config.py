@@ -18,6 +18,8 @@ from pydantic import Field, PrivateAttr, ValidationError, field_validator, model
 from trace.allocation.arms import ARMS, get_arm, root_budget_for
 from trace.allocation.registry import get_root_rule
 from trace.allocation.root import check_root_budget_feasible
+from trace.configuration.config_allocators import AllocationConfig, GresoConfig, MoppsConfig, ReinforceAdaConfig, \
+    VipConfig  # noqa: F401  (re-exported: allocation and its per-rule sections)
 from trace.configuration.config_tasks import KGQAConfig, SimulatorConfig  # noqa: F401  (re-exported: task.kgqa, task.simulator)
 from trace.configuration.config_tasks import Section as _Section
 from trace.configuration.config_update import LoraConfig, UpdateConfig  # noqa: F401  (re-exported: update, update.lora)
@@ -149,44 +151,6 @@ class PredictorConfig(_Section):
     prior_beta: float = Field(1.0, gt=0, description="history predictor Beta prior failures")
     noise_std: float = Field(0.5, ge=0, description="noisy_oracle: std of logit noise")
     clip: float = Field(0.02, ge=0, lt=0.5, description="predictions clipped to [clip, 1 - clip]")
-
-
-class AllocationConfig(_Section):
-    """Rollout budget per step. Equal budget = equal sampled trajectories (leaves) per step."""
-
-    trajectory_budget: int = Field(128, ge=2, description="trajectories sampled per step, roots + continuations")
-    num_candidates: int = Field(32, ge=1, description="B: candidate prompts drawn per step")
-    group_size: int = Field(8, ge=2, description="n of uniform baselines (grpo, pcl, tree roots)")
-    m_min: int = Field(2, ge=2, description="fewest rollouts of an active prompt (m=1 has no contrast)")
-    m_max: int = Field(16, ge=2, description="most rollouts of one prompt")
-    knapsack_m_min: int = Field(2, ge=2, description="knapsack: the floor every candidate gets (it never skips)")
-    expansion_ratio: float = Field(1.0, ge=0, description="N: continuations per root rollout (stage 2)")
-    rounds: int = Field(1, ge=1, description="stage 2 rounds (paper: 1)")
-    exact_max_cells: int = Field(2_000_000, ge=1, description="use the exact DP when B*M*(m_max-m_min+1) <= this")
-    root_objective: Literal["groups", "leaves"] = Field(
-        "groups", description="stage 1 of trace/trace_root maximises expected mixed groups sum A(p,m) (groups, "
-        "the paper's) or expected root leaves in them sum m A(p,m) (leaves); docs/method.md#root-allocation")
-    dapo_max_retries: int = Field(4, ge=0, description="dapo: extra sampling rounds before giving up")
-    treepo_width: int = Field(2, ge=1, description="treepo: branches added at each turn depth")
-
-    @model_validator(mode="after")
-    def _check(self) -> "AllocationConfig":
-        if self.m_max < self.m_min:
-            raise ValueError(f"allocation.m_max={self.m_max} < m_min={self.m_min}: set m_max >= m_min")
-        if self.m_max < self.knapsack_m_min:
-            raise ValueError(f"allocation.m_max={self.m_max} < knapsack_m_min={self.knapsack_m_min}: "
-                             "set m_max >= knapsack_m_min")
-        if self.root_budget < self.m_min:
-            raise ValueError(
-                f"allocation.trajectory_budget={self.trajectory_budget} with expansion_ratio="
-                f"{self.expansion_ratio} leaves a root budget {self.root_budget} < m_min={self.m_min}: "
-                "raise trajectory_budget or lower expansion_ratio")
-        return self
-
-    @property
-    def root_budget(self) -> int:
-        """M for ablations with prefix expansion: ``round(T / (1 + N))``; the rest is stage 2's."""
-        return int(round(self.trajectory_budget / (1.0 + self.expansion_ratio)))
 
 
 class AdvantageConfig(_Section):

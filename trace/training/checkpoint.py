@@ -2,8 +2,9 @@
 
 A checkpoint after ``n`` steps is the tag ``step{n:06d}``: the updater's DeepSpeed folder of that tag, the
 predictor file ``predictor.pt.<tag>`` and the train state JSON (``train_state.json``: next step, tag, params
-hash, arm, cumulative counters, per-step metrics history). The state file is written last and atomically,
-so it only ever names a tag whose files are complete; older tags are removed after it is written. A
+hash, arm, cumulative counters, per-step metrics history, the state of an allocator that keeps one). The state
+file is written last and atomically, so it only ever names a tag whose files are complete; older tags are
+removed after it is written. A
 checkpoint of other params (``Config.resume_hash``) or another arm is never loaded.
 
 Several ranks: every rank writes its DeepSpeed shards; rank 0 alone writes the predictor and state files
@@ -46,7 +47,7 @@ def state_path(run_dir: str | Path) -> Path:
 
 def write_checkpoint(run_dir: str | Path, step_done: int, *, updater: Any, predictor: Any, params_hash: str,
                      ablation: str, cumulative_tokens: float, cumulative_trajectories: float,
-                     history: list[dict]) -> None:
+                     history: list[dict], allocator_state: dict | None = None) -> None:
     """Checkpoint after ``step_done`` steps: DeepSpeed state, predictor, counters (atomic state file last).
 
     Args:
@@ -59,6 +60,8 @@ def write_checkpoint(run_dir: str | Path, step_done: int, *, updater: Any, predi
         cumulative_tokens: generated tokens over all steps run.
         cumulative_trajectories: trajectories over all steps run.
         history: one metrics dict per step run (``{"step": s, ...}``).
+        allocator_state: the arm's ``AllocatorState.state_dict()`` (greso, mopps, vip), JSON; None for arms
+            whose root rule keeps no state.
     """
     ckpt = Path(run_dir) / CHECKPOINT_DIR
     tag = f"step{step_done:06d}"
@@ -71,7 +74,8 @@ def write_checkpoint(run_dir: str | Path, step_done: int, *, updater: Any, predi
     state = {"next_step": step_done, "tag": tag, "params_hash": params_hash,
              "ablation": ablation, "cumulative_tokens": cumulative_tokens,
              "cumulative_trajectories": cumulative_trajectories, "world_size": world_size(),
-             "zero_stage": int(getattr(getattr(updater, "cfg", None), "zero_stage", 0)), "history": history}
+             "zero_stage": int(getattr(getattr(updater, "cfg", None), "zero_stage", 0)), "history": history,
+             "allocator_state": allocator_state}
     atomic_write_bytes(state_path(run_dir), json.dumps(state, indent=1).encode())
     for old in ckpt.glob("step*"):  # keep the newest DeepSpeed tag only
         if old.is_dir() and old.name != tag:

@@ -29,11 +29,11 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from trace.allocation.arms import get_arm
+from trace.allocation.arms import get_arm, make_allocator_state
 from trace.allocation.samplers import PolicySampler
 from trace.allocation.step import allocate_step
 from trace.reporting.audit import audit_metrics
-from trace.training.checkpoint import load_checkpoint, write_checkpoint
+from trace.training.checkpoint import CheckpointError, load_checkpoint, write_checkpoint
 from trace.configuration.config import Config
 from trace.envs.base import Environment, Prompt
 from trace.training.evaluation import MetricsFn, evaluate_policy, success_rates
@@ -68,6 +68,8 @@ class Trainer:
         self.cfg = cfg
         self.spec = get_arm(ablation)
         self.ablation = self.spec.name
+        # what the arm's root rule keeps across steps (greso, mopps, vip); saved in every checkpoint
+        self.allocator_state = make_allocator_state(self.spec, cfg.allocation)
         self.policy = apply_lora(policy, cfg.update.lora, cfg.seed)  # update.lora: adapters, in place
         self.env = env
         self.train_prompts = list(train_prompts)
@@ -110,7 +112,8 @@ class Trainer:
         write_checkpoint(self.run_dir, step_done, updater=self.updater, predictor=self.predictor,
                          params_hash=self.cfg.resume_hash(), ablation=self.ablation,
                          cumulative_tokens=self.cumulative_tokens,
-                         cumulative_trajectories=self.cumulative_trajectories, history=self.history)
+                         cumulative_trajectories=self.cumulative_trajectories, history=self.history,
+                         allocator_state=None if self.allocator_state is None else self.allocator_state.state_dict())
         self.checkpoint_step = step_done
 
     def resume(self) -> int:
@@ -128,6 +131,12 @@ class Trainer:
         self.next_step = int(state["next_step"])
         self.checkpoint_step = self.next_step
         self.history = list(state.get("history", []))[: self.next_step]
+        if self.allocator_state is not None:
+            if state.get("allocator_state") is None:
+                raise CheckpointError(f"the checkpoint of {self.run_dir} holds no allocator state for the arm "
+                                      f"{self.ablation!r}, whose root rule keeps one; delete its folder to train "
+                                      f"from step 0: rm -r {self.run_dir / 'checkpoint'}")
+            self.allocator_state.load_state_dict(state["allocator_state"])
         self.probe_initial = next((float(h["probe/initial"]) for h in self.history if "probe/initial" in h), None)
         return self.next_step
 
@@ -184,7 +193,8 @@ class Trainer:
         candidates = [self.train_prompts[i] for i in idx]
         self._sync_weights()
         sampler = self._sampler(step)
-        result = allocate_step(self.spec, candidates, sampler, acfg, lambda salt: step_rng(cfg.seed, step, salt))
+        result = allocate_step(self.spec, candidates, sampler, acfg, lambda salt: step_rng(cfg.seed, step, salt),
+                               state=self.allocator_state)
         trees, all_for_metrics = result.trees, result.sampled_trees
         metrics: dict[str, float] = dict(result.metrics)
         timings: dict[str, float] = dict(result.timings)

@@ -1,0 +1,125 @@
+"""GRESO as a root rule: skip, before any rollout, the prompts whose recent groups all agreed.
+
+Each prompt keeps the run of its most recent groups (the trees it was sampled in): ``z_easy``, how many of its
+latest groups in a row were all correct (mean reward >= ``easy_mean``, 0.98), and ``z_hard``, all wrong (mean
+<= ``hard_mean``, 0.11: the original's math reward gives 0.1 to a formatted wrong answer); any other group
+resets both. At a step, candidate ``i`` is kept with probability
+
+    max(p_easy ** z_easy * p_hard ** z_hard, keep_floor)
+
+(one exponent is always 0; a prompt never seen, or whose last group was neither, is always kept), from one
+uniform draw per candidate (``rng_for("greso")``). The kept candidates, in candidate order, get ``n`` each as
+``grpo`` spreads ``R`` (``uniform_root_counts``); when fewer than ``R // n`` are kept, the skipped ones fill the
+rest in candidate order (the original draws further batches of prompts until the batch is full; here the step's
+candidates are the pool), so the step spends exactly its budget.
+
+After the step, ``p_easy`` moves by ``p_step`` toward the target share of all-correct groups among those
+sampled (``target_zero_variance x easy_share``): down (skip more) when the observed share is at or above it, up
+otherwise; ``p_hard`` likewise with ``target_zero_variance x (1 - easy_share)``; both clipped to
+``[p_min, p_max]``.
+
+References:
+    Li et al., "Act Only When It Pays: Efficient Reinforcement Learning for LLM Reasoning via Selective
+    Rollouts" (GRESO, arXiv 2506.02177), Sec. 4 (probabilistic pre-rollout filtering from the temporal
+    consistency of zero-variance prompts, self-adjusting base probabilities); public code Infini-AI-Lab/GRESO.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from trace.allocation.registry import RootDecision, RootRequest, register_root_rule
+from trace.allocation.root import uniform_root_counts
+
+__all__ = ["GresoState", "group_outcome", "greso_root_rule"]
+
+
+def _settings(config):
+    from trace.configuration.config_allocators import GresoConfig
+
+    return getattr(config, "greso", None) or GresoConfig()
+
+
+def group_outcome(rewards: np.ndarray, easy_mean: float = 0.98, hard_mean: float = 0.11) -> str:
+    """``"easy"`` (mean reward >= ``easy_mean``), ``"hard"`` (mean <= ``hard_mean``) or ``"mixed"`` for one group's
+    leaf rewards (an empty group is ``"mixed"``)."""
+    r = np.asarray(rewards, dtype=np.float64)
+    if r.size == 0:
+        return "mixed"
+    mean = float(r.mean())
+    return "easy" if mean >= easy_mean else "hard" if mean <= hard_mean else "mixed"
+
+
+class GresoState:
+    """Per prompt ``(z_easy, z_hard)`` and the run's ``p_easy``, ``p_hard`` (``AllocatorState``).
+
+    Args:
+        config: the allocation section (its ``greso`` settings) or None for the defaults.
+    """
+
+    def __init__(self, config=None) -> None:
+        self.settings = _settings(config)
+        self.p_easy = float(self.settings.p_easy)
+        self.p_hard = float(self.settings.p_hard)
+        self.streaks: dict[str, tuple[int, int]] = {}  # prompt id -> (z_easy, z_hard)
+
+    def keep_probability(self, prompt_uids: Sequence[str]) -> np.ndarray:
+        """(B,) float64 probability that each prompt is sampled this step."""
+        out = np.empty(len(prompt_uids), dtype=np.float64)
+        for i, uid in enumerate(prompt_uids):
+            z_easy, z_hard = self.streaks.get(uid, (0, 0))
+            out[i] = max(self.p_easy ** z_easy * self.p_hard ** z_hard, self.settings.keep_floor)
+        return out
+
+    def observe(self, prompt_uids: Sequence[str], rewards: Sequence[np.ndarray],
+                prompt_texts: Sequence[str] = ()) -> dict[str, float]:
+        """Extend each sampled prompt's streak, then move ``p_easy`` and ``p_hard`` toward their targets."""
+        s = self.settings
+        outcomes = [group_outcome(r, s.easy_mean, s.hard_mean) for r in rewards]
+        for uid, outcome in zip(prompt_uids, outcomes):
+            z_easy, z_hard = self.streaks.get(uid, (0, 0))
+            self.streaks[uid] = ((z_easy + 1, 0) if outcome == "easy" else (0, z_hard + 1) if outcome == "hard"
+                                 else (0, 0))
+        if outcomes:
+            easy = outcomes.count("easy") / len(outcomes)
+            hard = outcomes.count("hard") / len(outcomes)
+            target_easy = s.target_zero_variance * s.easy_share
+            target_hard = s.target_zero_variance * (1 - s.easy_share)
+            self.p_easy = float(np.clip(self.p_easy + (-s.p_step if easy >= target_easy else s.p_step), s.p_min,
+                                        s.p_max))
+            self.p_hard = float(np.clip(self.p_hard + (-s.p_step if hard >= target_hard else s.p_step), s.p_min,
+                                        s.p_max))
+        return {"greso/p_easy": self.p_easy, "greso/p_hard": self.p_hard}
+
+    def state_dict(self) -> dict:
+        return {"p_easy": self.p_easy, "p_hard": self.p_hard,
+                "streaks": {uid: list(z) for uid, z in self.streaks.items()}}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        self.p_easy, self.p_hard = float(state["p_easy"]), float(state["p_hard"])
+        self.streaks = {str(uid): (int(z[0]), int(z[1])) for uid, z in state["streaks"].items()}
+
+
+@register_root_rule("greso", make_state=GresoState)
+def greso_root_rule(request: RootRequest) -> RootDecision:
+    """GRESO: keep each candidate with its keep probability, then ``n`` each to the kept, in candidate order.
+
+    Returns:
+        ``RootDecision`` with ``counts`` (B,) int64 summing to ``R``; metrics ``greso/skipped`` (candidates the
+        draw skipped) and ``greso/refilled`` (skipped candidates sampled anyway to fill the budget).
+
+    Raises:
+        ValueError: no ``state``, ``prompt_uids`` or ``rng_for``.
+    """
+    if request.state is None or request.prompt_uids is None or request.rng_for is None:
+        raise ValueError("the greso arm skips prompts by their history: call trace.allocation.step.allocate_step "
+                         "with state=make_allocator_state(arm) and the candidates' prompt ids")
+    keep = request.rng_for("greso").random(request.num_candidates) < request.state.keep_probability(
+        request.prompt_uids)
+    order = np.concatenate([np.flatnonzero(keep), np.flatnonzero(~keep)])
+    counts = uniform_root_counts(request.num_candidates, request.root_budget, request.group_size, order)
+    return RootDecision(counts, info={"method": "skip"},
+                        metrics={"greso/skipped": float((~keep).sum()),
+                                 "greso/refilled": float(np.count_nonzero(counts[~keep]))})
