@@ -28,15 +28,18 @@ prefixes, outcome-weighted as ``SuccessPredictor.evaluate``) is scored, for the 
 before each refit, on probe trees that no predictor fits on and that are identical across settings: 4 bare
 rollouts of each of the step's candidates.
 
-Arms without a predictor (``grpo``, ``dapo``, ``tree_random``, ``treepo``) do not depend on it and run once
-per seed. Reported per arm and predictor, as mean and sample std over seeds of the per-seed mean over steps:
+Arms without a predictor (``grpo``, ``dapo``, ``tree_random``, ``treepo`` and the field's allocators
+``reinforce_ada``, ``greso``, ``mopps``, ``vip``, whose state lives in the arm and is carried from step to step)
+do not depend on it and run once per seed. Reported per arm and predictor, as mean and sample std over seeds of the per-seed mean over steps:
 ``effective_ratio``, ``effective_token_ratio``, ``mixed_group_ratio``, ``active_prompt_ratio``, the number of
 mixed groups (prompt groups and branch-anchor groups), ``anchor_contrast`` (the loop's metric: the sum of
 ``V(1 - V)`` over allocated roots and anchors), ``prefix_anchor_contrast`` (stage-2 anchors only) and
 ``contrast_per_continuation`` (``sum K V(1 - V) / sum K`` over stage-2 anchors), generated tokens and
 trajectories, and the allocation audit of the loop (``trace.reporting.audit``: ``audit/expected_mixed_groups`` against
 ``audit/mixed_groups``, ``audit/expected_flips`` against ``audit/flips``; NaN forecasts for arms without
-predictions). Ratios against ``grpo`` and against ``oracle`` are formed per seed, then summarised.
+predictions). Ratios against ``grpo`` and against ``oracle`` are formed per seed, then summarised. The
+headline's ``allocators_on_one_budget`` sets each field allocator against ``grpo`` (paired difference and ratio)
+and against ``trace`` with the oracle and the learned predictor (ratio), as 95 % t-intervals over seeds.
 
 Simplifications: one expansion round (the paper default); the pool is ``pool_prompts`` prompts of the
 default difficulty mix (U-shaped ``Beta(0.3, 0.3)``), so candidates recur every ``pool / B`` steps and the
@@ -368,11 +371,49 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     "trace_learned_at_least_0.9x_oracle": None if learned_vs_oracle is None
                     else bool(learned_vs_oracle >= 0.9)},
     }
+    headline["allocators_on_one_budget"] = allocator_comparison(per_seed, predictor_settings)
     results = {"headline": headline, "summary": summary, "ratios": ratios, "predictor_quality": predictor_scores,
                "learned_prior_alpha_beta": [list(map(float, ab)) for ab in learned_prior]}
     plot(summary, predictor_settings, arms, figure_path(NAME, args.out))
     write_report(NAME, args.out, settings, results, quick=args.quick, started=started)
     return results
+
+
+# the prompt-level allocators of the field that read no success predictor (trace.allocation.reinforce_ada, greso,
+# mopps, vip), set against grpo and against trace with the oracle and the learned predictor
+FIELD_ALLOCATORS = ("reinforce_ada", "greso", "mopps", "vip")
+
+
+def allocator_comparison(per_seed: dict, predictor_settings: Sequence[str]) -> dict:
+    """Per field allocator: its effective ratio, trajectories per step, and per-seed paired comparisons.
+
+    Args:
+        per_seed: ``{arm: {setting: [per-seed means]}}`` of ``main`` (setting ``"none"`` for predictor-free arms).
+        predictor_settings: the settings run; ``trace`` is compared at ``oracle`` and, when run, ``learned``.
+
+    Returns:
+        ``{arm: {"predictor_free", "effective_ratio", "trajectories_per_step", "minus_grpo", "ratio_vs_grpo",
+        "ratio_vs_trace_<setting>"}}``: 95 % t-intervals over seeds (``t_interval``) of the per-seed values, of
+        the paired per-seed difference and of the paired per-seed ratio (same seed = same candidates).
+    """
+    out = {}
+    for arm in FIELD_ALLOCATORS:
+        if arm not in per_seed:
+            continue
+        mine = per_seed[arm]["none"]
+        row = {"predictor_free": not get_arm(arm).uses_predictor,
+               "effective_ratio": t_interval([m["effective_ratio"] for m in mine]),
+               "trajectories_per_step": t_interval([m["rollout/trajectories"] for m in mine]),
+               "minus_grpo": t_interval([a["effective_ratio"] - b["effective_ratio"]
+                                         for a, b in zip(mine, per_seed["grpo"]["none"])]),
+               "ratio_vs_grpo": t_interval([a["effective_ratio"] / b["effective_ratio"]
+                                            for a, b in zip(mine, per_seed["grpo"]["none"])])}
+        for setting in ("oracle", "learned"):
+            if setting in predictor_settings:
+                row[f"ratio_vs_trace_{setting}"] = t_interval([a["effective_ratio"] / b["effective_ratio"]
+                                                               for a, b in zip(mine, per_seed["trace"][setting])])
+        out[arm] = row
+    return out
 
 
 # ================================================================================================

@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import sys
+import time
 from pathlib import Path
 
 from prefect import flow, task
@@ -48,6 +49,7 @@ from trace.training.parallel import is_main_process as main_rank  # $RANK before
 
 # logged at every step, in the same batch as the step's other metrics: marks a step as logged
 STEP_MARKER = "tokens/cumulative"
+ROLLOUT_LOG_SECONDS = "tracking/rollout_log_seconds"  # seconds the run spent logging rollouts and trees
 
 
 def checkpoint_dir(cfg, ablation: str) -> Path:
@@ -88,10 +90,11 @@ def log_checkpointed_steps(run, history: list[dict], until_step: int, logged: se
             logged.add(step)
 
 
-def log_rollouts(run, trainer, ablation: str, history: list[dict], until_step: int, shown: set[int]) -> None:
+def log_rollouts(run, trainer, ablation: str, history: list[dict], until_step: int, shown: set[int]) -> float:
     """For each evaluation step ``< until_step`` of ``history`` not in ``shown``: a bounded sample of its
     trajectories into the run's ``rollouts.json`` table and a picture of its first trees (``tracking.*``,
-    ``trace.tracking.rollouts``), read from the step's Parquet trees."""
+    ``trace.tracking.rollouts``), read from the step's Parquet trees. Returns the seconds it took."""
+    t0 = time.perf_counter()
     from trace.tracking.names import EVAL_ACCURACY
     from trace.tracking.rollouts import ROLLOUT_TABLE, TREE_IMAGE_KEY, rollout_rows, tree_image
     from trace.tree_io import read_trees, tree_path
@@ -114,6 +117,7 @@ def log_rollouts(run, trainer, ablation: str, history: list[dict], until_step: i
         image = tree_image(trees, step, tcfg.tree_images, title=ablation) if tcfg.tree_images else None
         if image is not None:
             run.client.log_image(run.run_id, image, key=TREE_IMAGE_KEY, step=step)
+    return time.perf_counter() - t0
 
 
 def logged_steps(run) -> set[int]:
@@ -172,21 +176,24 @@ def train_flow(params: str, ablation: str, seed: int | None = None) -> dict:
                        continue_run=start > 0) if main_rank() else contextlib.nullcontext()) as run:
             logged = logged_steps(run) if start and run else set()
             shown: set[int] = set()  # evaluation steps whose rollouts this run shows (a resumed run: a new run)
+            shown_seconds = 0.0  # what showing them cost (the run's tracking/rollout_log_seconds)
             if run:
                 log_checkpointed_steps(run, trainer.history, start, logged)
-                log_rollouts(run, trainer, ablation, trainer.history, start, shown)
+                shown_seconds += log_rollouts(run, trainer, ablation, trainer.history, start, shown)
             step = start
             while step < cfg.train.num_steps:
                 step = steps_task(trainer, min(step + cfg.train.steps_per_task, cfg.train.num_steps))
                 if run:
                     log_checkpointed_steps(run, trainer.history, trainer.checkpoint_step, logged)
-                    log_rollouts(run, trainer, ablation, trainer.history, trainer.checkpoint_step, shown)
+                    shown_seconds += log_rollouts(run, trainer, ablation, trainer.history, trainer.checkpoint_step,
+                                                  shown)
             summary = trainer.summary()
             write_outputs(trainer, policy, run_dir(ablation, cfg.seed), summary, ablation, cfg.seed)
             if run:
                 known = run.client.get_run(run.run_id).data.metrics  # a resumed finished run: log nothing twice
                 run.log_metrics({k: v for k, v in summary_metrics(summary).items()
                                  if known.get(metric_key(k)) != v}, trainer.next_step)
+                run.log_metrics({ROLLOUT_LOG_SECONDS: shown_seconds}, trainer.next_step)
     if main_rank():
         print({k: round(v, 4) for k, v in summary.items()})
     return summary
