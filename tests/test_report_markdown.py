@@ -216,6 +216,10 @@ def test_metrics_table_keeps_each_seed_and_the_statistics_as_json():
     assert table["trace"]["vs_grpo"]["eval greedy"]["real"] is True
     assert table["trace"]["vs_grpo"]["effective ratio"]["real"] is False
     assert "vs_grpo" not in table["grpo"] and table["grpo"]["mean"]["eval pass@k"]["mean"] is None
+    # every arm is also paired against trace: grpo's difference from trace is trace's from grpo, negated
+    assert "vs_trace" not in table["trace"]
+    for column in ("effective ratio", "eval greedy"):
+        assert table["grpo"]["vs_trace"][column]["mean"] == pytest.approx(-table["trace"]["vs_grpo"][column]["mean"])
     assert table["trace"]["tokens_to_grpo_final"]["mean"] == pytest.approx(200.0)
     one = metrics_table(ONE_SEED, 2)
     assert one["grpo"]["s0"]["arm/eff_ratio"] == 0.6 and one["tree_random"]["s0"] == {}

@@ -24,6 +24,7 @@ from trace.tracking.names import EVAL_ACCURACY, EVAL_SAMPLED_ACCURACY, GREEDY_AC
 from trace.tracking.runs import finished_runs
 
 BASELINE = "grpo"  # the arm every other arm is paired against
+METHOD = "trace"  # the arm every other arm is also paired against (vs_trace), when it ran
 CONFIDENCE = 0.95
 # the allocation audit's per-step keys (logged by train runs that audit their forecasts)
 AUDIT_KEYS = ("audit/expected_mixed_groups", "audit/mixed_groups", "audit/expected_flips", "audit/flips",
@@ -196,7 +197,8 @@ def arm_statistics(results: dict, pass_k: int, confidence: float = CONFIDENCE,
         of its avg@k or None, "arms": {ablation: {"seeds": [..], "columns": {column: Interval}, "vs_grpo":
         {column: Interval} (absent for grpo and without grpo; its ``eval greedy`` and ``eval mean@k`` a paired
         bootstrap over questions and seeds where every paired seed has per-question results, else like the
-        other columns a paired t-interval over seeds), "vs_warmup": {"eval greedy", "eval mean@k": Interval}
+        other columns a paired t-interval over seeds), "vs_trace": the same against ``trace`` (absent for trace
+        and without it), "vs_warmup": {"eval greedy", "eval mean@k": Interval}
         (the columns the warmup has; bootstrap as above), "tokens_to_target" / "tokens_to_target_sampled":
         Interval over the seeds that reach it or None, "reached" / "reached_sampled": int, "probe_gain": Interval
         over seeds of the last ``probe/gain`` (``train.probe_prompts``) or None, "audit": {key:
@@ -207,7 +209,6 @@ def arm_statistics(results: dict, pass_k: int, confidence: float = CONFIDENCE,
     """
     per_seed = {abl: {seed: _column_values(res, pass_k) for seed, res in by_seed.items()}
                 for abl, by_seed in results.items()}
-    base = per_seed.get(BASELINE)
     targets: dict[str, object] = {}
     for column, (_, curve_key) in ACCURACY_COLUMNS.items():
         target = None
@@ -220,14 +221,15 @@ def arm_statistics(results: dict, pass_k: int, confidence: float = CONFIDENCE,
         columns = {c: mean_interval([v[c] for v in by_seed.values()], confidence)
                    for c in next(iter(by_seed.values()))}
         entry = {"seeds": list(by_seed), "columns": columns}
-        if base is not None and abl != BASELINE:
-            entry["vs_grpo"] = {c: paired_difference({s: v[c] for s, v in by_seed.items()},
-                                                     {s: v[c] for s, v in base.items()}, confidence)
-                                for c, _ in PAIRED_COLUMNS}
-            for column, (measure, _) in ACCURACY_COLUMNS.items():
-                boot = bootstrap_against(results[abl], results[BASELINE], confidence, measure)
-                if boot is not None:  # evaluation noise of both arms included
-                    entry["vs_grpo"][column] = boot
+        for ref in (BASELINE, METHOD):
+            if ref in per_seed and abl != ref:
+                entry[f"vs_{ref}"] = {c: paired_difference({s: v[c] for s, v in by_seed.items()},
+                                                           {s: v[c] for s, v in per_seed[ref].items()}, confidence)
+                                      for c, _ in PAIRED_COLUMNS}
+                for column, (measure, _) in ACCURACY_COLUMNS.items():
+                    boot = bootstrap_against(results[abl], results[ref], confidence, measure)
+                    if boot is not None:  # evaluation noise of both arms included
+                        entry[f"vs_{ref}"][column] = boot
         if warmup:
             gains = {c: _warmup_gain(results[abl], warmup, warmup_questions, c, pass_k, confidence)
                      for c in ACCURACY_COLUMNS}

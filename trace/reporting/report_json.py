@@ -27,7 +27,7 @@ def metrics_table(results: dict, pass_k: int, confidence: float = CONFIDENCE, wa
     evaluate metrics under ``eval/``, and the statistics of ``arm_statistics`` (intervals as
     ``{"mean", "low", "high", "n", "estimator"}`` (``t`` or ``bootstrap``, the latter with the
     ``seed_interval`` it is checked against), undefined bounds as null; a paired difference with ``real``):
-    ``vs_grpo``, ``vs_warmup`` (gain over the warmup policy, greedy and avg@k, with ``warmup``), and the tokens to
+    ``vs_grpo``, ``vs_trace`` (where ``trace`` ran), ``vs_warmup`` (gain over the warmup policy, greedy and avg@k, with ``warmup``), and the tokens to
     ``grpo``'s final in-training greedy accuracy and avg@k."""
     stats = arm_statistics(results, pass_k, confidence, warmup, warmup_questions)["arms"]
     out: dict[str, dict] = {}
@@ -36,8 +36,9 @@ def metrics_table(results: dict, pass_k: int, confidence: float = CONFIDENCE, wa
         entry: dict = {f"s{seed}": {**res["summary"], **{f"eval/{k}": v for k, v in res.get("eval", {}).items()}}
                        for seed, res in by_seed.items()}
         entry["mean"] = {c: _json_interval(iv) for c, iv in st["columns"].items()}
-        if "vs_grpo" in st:
-            entry["vs_grpo"] = {c: {**_json_interval(iv), "real": iv.excludes_zero} for c, iv in st["vs_grpo"].items()}
+        for versus in ("vs_grpo", "vs_trace"):
+            if versus in st:
+                entry[versus] = {c: {**_json_interval(iv), "real": iv.excludes_zero} for c, iv in st[versus].items()}
         if st.get("vs_warmup"):
             entry["vs_warmup"] = {c: {**_json_interval(iv), "real": iv.excludes_zero} for c, iv in st["vs_warmup"].items()}
         entry["tokens_to_grpo_final"] = _json_interval(st["tokens_to_target"])
