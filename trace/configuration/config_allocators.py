@@ -24,8 +24,8 @@ class ReinforceAdaConfig(Section):
     round_repeat: int = Field(8, ge=1, description="samples each active prompt gets per round")
     max_rounds: int = Field(4, ge=1, description="rounds at most per prompt")
     mode: Literal["balanced", "positive_focused"] = Field(
-        "balanced", description="retire a prompt at >= round_repeat/2 positives and negatives (balanced) or at its "
-        "first positive (positive_focused)")
+        "balanced", description="retire a prompt at >= group_size // 2 positives and group_size - group_size // 2 "
+        "negatives (balanced) or at its first positive (positive_focused)")
     positive_threshold: float = Field(0.7, description="a sample is positive when its reward is > this")
     initial_prompts: Optional[int] = Field(
         None, ge=1, description="prompts of round 1; None = trajectory_budget // (2 * round_repeat): round 1 spends "
