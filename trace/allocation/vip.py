@@ -21,7 +21,8 @@ clipped, with ``lambda`` found by bisection so the sum is ``R`` (the original so
 SciPy's SLSQP); then each ``n_i`` is floored, prompts below ``n_drop`` (4) leave the batch (0), and the remaining
 rollouts go one at a time where this objective falls most (the original ranks by the surrogate
 ``a (n + 3) / (n + 4)^2``; a prompt that left may come back at ``n_drop`` when every kept one is at ``n_max``).
-Exactly ``R`` per step.
+Exactly ``R`` per step. As in the public code, ``b_i = gamma log p_i <= 0`` lowers the cost of more rollouts
+most for the prompts forecast hardest.
 
 References:
     "VIP: Variance-Informed Prompt allocation" (arXiv 2602.01601, ICLR 2026), the GP forecast of prompt
@@ -50,7 +51,9 @@ def embed_prompts(texts: Sequence[str], dim: int) -> np.ndarray:
     """(len(texts), dim) float64 unit-norm hashed word uni/bigram counts of each text (no fitting, no download)."""
     from sklearn.feature_extraction.text import HashingVectorizer
 
-    vectorizer = HashingVectorizer(n_features=dim, ngram_range=(1, 2), alternate_sign=False, norm="l2")
+    # one-character tokens (digits, variables) count: questions that differ in one digit differ
+    vectorizer = HashingVectorizer(n_features=dim, ngram_range=(1, 2), alternate_sign=False, norm="l2",
+                                   token_pattern=r"(?u)\b\w+\b")
     return vectorizer.transform(list(texts)).toarray().astype(np.float64)
 
 
@@ -75,11 +78,14 @@ def vip_counts(pred_success_prob: np.ndarray, budget: int, *, gamma: float, n_ma
         p_clip: the forecast's clip.
 
     Returns:
-        (B,) int64 counts, each 0 or in ``[n_drop, n_max]`` (or ``[1, n_max]`` when the budget is below
-        ``n_drop``), summing to ``budget``.
+        (B,) int64 counts summing to ``budget``, each 0 or in ``[min(n_drop, budget), n_max]``, with two
+        exceptions: equal forecasts split the budget evenly (counts may then lie below ``n_drop``), and when
+        every kept prompt is at ``n_max`` and none can give up rollouts to make room, the last prompt brought
+        back holds what is left.
 
     Raises:
-        ValueError: ``B * n_max < budget`` (the budget does not fit), or a forecast that is not finite.
+        ValueError: ``B * n_max < budget`` (the budget does not fit), ``n_drop > n_max``, or a forecast that is not
+            finite.
 
     References:
         VIP (arXiv 2602.01601): ``min sum_i a_i / (n_i - 1) + b_i n_i``, ``a_i = p_i (1 - p_i)``,
@@ -89,6 +95,8 @@ def vip_counts(pred_success_prob: np.ndarray, budget: int, *, gamma: float, n_ma
     if not np.all(np.isfinite(p)):
         raise ValueError("vip needs a finite forecast for every candidate")
     num = p.size
+    if n_drop > n_max:
+        raise ValueError(f"allocation.vip.n_drop={n_drop} > n_max={n_max}: set n_drop <= n_max")
     if budget > num * n_max:
         raise ValueError(f"vip cannot spend {budget} trajectories on {num} candidates of at most n_max={n_max} each: "
                          "raise allocation.vip.n_max or allocation.num_candidates")
@@ -113,8 +121,11 @@ def vip_counts(pred_success_prob: np.ndarray, budget: int, *, gamma: float, n_ma
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if continuous(mid).sum() > budget else (lo, mid)
     counts = np.floor(continuous(hi)).astype(np.int64)
-    floor_drop = n_drop if budget >= n_drop else 1
+    floor_drop = min(n_drop, budget)
     counts[counts < floor_drop] = 0
+    while counts.sum() > budget:  # more candidates than rollouts: the smallest kept prompt leaves (then least a)
+        kept = np.flatnonzero(counts)
+        counts[kept[np.lexsort((a[kept], counts[kept]))[0]]] = 0
     left = budget - int(counts.sum())
     while left > 0:
         raise_gain = np.where((counts >= 1) & (counts < n_max), _cost(a, b, counts) - _cost(a, b, counts + 1), -np.inf)
@@ -122,12 +133,18 @@ def vip_counts(pred_success_prob: np.ndarray, budget: int, *, gamma: float, n_ma
             counts[int(np.argmax(raise_gain))] += 1
             left -= 1
             continue
-        # every kept prompt is at n_max: bring back the out-of-batch prompt whose entry costs least per rollout
-        size = min(floor_drop, left)
-        entry = np.where(counts == 0, _cost(a, b, np.full(num, size)) / size, np.inf)
-        j = int(np.argmin(entry))
-        counts[j] = size
-        left -= size
+        # every kept prompt is at n_max: bring back the out-of-batch prompt whose entry costs least per rollout,
+        # at floor_drop, making room by lowering kept prompts (never below floor_drop) where that costs least
+        out = np.flatnonzero(counts == 0)
+        j = out[int(np.argmin(_cost(a[out], b[out], np.full(out.size, floor_drop)) / floor_drop))]
+        while left < floor_drop:
+            lower_loss = np.where(counts > floor_drop, _cost(a, b, counts - 1) - _cost(a, b, counts), np.inf)
+            if not np.isfinite(lower_loss).any():
+                break
+            counts[int(np.argmin(lower_loss))] -= 1
+            left += 1
+        counts[j] = min(floor_drop, left)  # below floor_drop only when no kept prompt could make room
+        left -= counts[j]
     return counts
 
 

@@ -75,6 +75,12 @@ class VipConfig(Section):
     embedding_dim: int = Field(256, ge=8, description="features of the hashed word uni/bigram embedding")
     p_clip: float = Field(1e-6, gt=0, lt=0.5, description="observed rates and forecasts are clipped to [this, 1 - this]")
 
+    @model_validator(mode="after")
+    def _check(self) -> "VipConfig":
+        if self.n_drop > self.n_max:
+            raise ValueError(f"allocation.vip.n_drop={self.n_drop} > n_max={self.n_max}: set n_drop <= n_max")
+        return self
+
 
 class AllocationConfig(Section):
     """Rollout budget per step. Equal budget = equal sampled trajectories (leaves) per step."""
