@@ -7,8 +7,9 @@ A generated table sits between two marker comments in a Markdown file::
     <!-- /table:long-arms -->
 
 Each name is one table function that reads committed files only (``tables()`` maps the names to them; they live
-by concern in ``docs_tables_runs`` (the ablation run reports), ``docs_tables_presets`` (the real-data presets) and
-``docs_tables_benchmarks`` (benchmarks, studies, data files), sharing ``docs_tables_common``): a run report folder
+by concern in ``docs_tables_runs`` (the ablation run reports), ``docs_tables_presets`` (the real-data presets),
+``docs_tables_allocators`` (the field's allocators on one budget) and ``docs_tables_benchmarks`` (benchmarks,
+studies, data files), sharing ``docs_tables_common``): a run report folder
 ``reports/runs/<folder>/`` (``metrics.json``; which folder feeds which tables is ``reports/runs/index.yaml``, so a
 re-run committed as a new folder is a one-line change there) or a benchmark report ``reports/benchmarks/<name>.json``.
 Invariant: after ``python -m scripts.docs_tables`` every table in the docs is what these files say; ``--check``
@@ -34,6 +35,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
+from scripts.docs_tables_allocators import allocators_table
 from scripts.docs_tables_benchmarks import (allocation_objectives_table, allocation_quality_table,
                                             benchmark_runs_table, benchmarks_table, data_files_table,
                                             learning_study_table, real_task_step_table, step_dtype_table,
@@ -63,6 +65,7 @@ def tables() -> dict[str, Callable[[Context], str]]:
         out[f"{key}-arms-full"] = lambda ctx, key=key: arms_table(ctx, key, full=True)
         out[f"{key}-vs-grpo"] = lambda ctx, key=key: vs_grpo_table(ctx, key, full=False)
         out[f"{key}-vs-grpo-full"] = lambda ctx, key=key: vs_grpo_table(ctx, key, full=True)
+        out[f"{key}-vs-trace-full"] = lambda ctx, key=key: vs_grpo_table(ctx, key, full=True, ref="trace")
         out[f"{key}-regime"] = lambda ctx, key=key: regime_table(ctx, key)
         out[f"{key}-audit"] = lambda ctx, key=key: audit_table(ctx, key)
         out[f"{key}-gain"] = lambda ctx, key=key: gain_table(ctx, key)
@@ -71,6 +74,7 @@ def tables() -> dict[str, Callable[[Context], str]]:
         out[f"{key}-gain-avgk"] = lambda ctx, key=key: gain_avgk_table(ctx, key)
     for key in PRESET_REPORTS:
         out[f"preset-{key}"] = lambda ctx, key=key: preset_table(ctx, key)
+    out["allocators-on-one-budget"] = allocators_table
     out["presets"] = presets_table
     out["benchmarks"] = benchmarks_table
     out["benchmark-runs"] = benchmark_runs_table

@@ -5,6 +5,7 @@ to ``grpo``'s final accuracy and the allocation audit."""
 from __future__ import annotations
 
 import re
+from typing import Sequence
 
 from scripts.docs_tables_common import ABLATION_REPORTS, Context, _diff, _finite, _missing, _num, _pm, _source, _table
 
@@ -60,25 +61,29 @@ def arms_table(ctx: Context, key: str, full: bool) -> str:
                   ["---:", "---"] + ["---:"] * len(cols)) + "\n\n" + note
 
 
-def vs_grpo_table(ctx: Context, key: str, full: bool) -> str:
-    """Each arm minus ``grpo`` at the same seed: mean, 95 % interval, real or within noise."""
+def vs_grpo_table(ctx: Context, key: str, full: bool, ref: str = "grpo", arms: Sequence[str] | None = None) -> str:
+    """Each arm minus ``ref`` (``grpo`` or ``trace``) at the same seed: mean, 95 % interval, real or within noise.
+
+    ``arms`` limits the rows to those arms (in the report's rank order); None keeps every arm.
+    """
     folder, metrics = ctx.report(key)
     if metrics is None:
         return _missing(ctx, key)
     abl = metrics["ablations"]
+    versus = f"vs_{ref}"
     cols = [("effective ratio", "effective ratio", 3)]
     if full:
         cols += [("effective token ratio", "effective token ratio", 3)]
     cols += [("generated tokens", "generated tokens", 0), ("eval greedy", "held-out greedy", 3)]
     if full:
         cols += [("eval mean@k", f"held-out mean@{_pass_k(abl)}", 3)]
-    rows = [[f"`{arm}`"] + [_diff(abl[arm]["vs_grpo"].get(c), d) for c, _, d in cols]
-            for arm in _ranked(abl) if "vs_grpo" in abl[arm]]
-    estimators = {iv.get("estimator") for arm in abl.values() for iv in arm.get("vs_grpo", {}).values()}
+    rows = [[f"`{arm}`"] + [_diff(abl[arm][versus].get(c), d) for c, _, d in cols]
+            for arm in _ranked(abl) if versus in abl[arm] and (arms is None or arm in arms)]
+    estimators = {iv.get("estimator") for arm in abl.values() for iv in arm.get(versus, {}).values()}
     how = ("paired by seed, 95 % t-interval" if estimators <= {None, "t"}
            else "95 % interval: t over seeds, or a paired bootstrap over questions and seeds where the report says so")
-    note = f"Arm minus `grpo` at the same seed ({how}); *real* only when the interval excludes 0. {_source(ctx, folder)}"
-    return _table(["arm minus `grpo`"] + [label for _, label, _ in cols], rows) + "\n\n" + note
+    note = f"Arm minus `{ref}` at the same seed ({how}); *real* only when the interval excludes 0. {_source(ctx, folder)}"
+    return _table([f"arm minus `{ref}`"] + [label for _, label, _ in cols], rows) + "\n\n" + note
 
 
 def regime_table(ctx: Context, key: str) -> str:

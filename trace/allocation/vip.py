@@ -25,7 +25,8 @@ Exactly ``R`` per step. As in the public code, ``b_i = gamma log p_i <= 0`` lowe
 most for the prompts forecast hardest.
 
 References:
-    "VIP: Variance-Informed Prompt allocation" (arXiv 2602.01601, ICLR 2026), the GP forecast of prompt
+    Nguyen et al., "Adaptive Rollout Allocation for Online Reinforcement Learning with Verifiable Rewards" (VIP,
+    arXiv 2602.01601, ICLR 2026), the GP forecast of prompt
     success over embeddings and the variance-minimising allocation with its rounding; public code
     HieuNT91/VIP (``src/vip/allocation/bernoulli_allocation.py``, ``gaussian_process.py`` of its earlier commits;
     the released repository holds a README only).
