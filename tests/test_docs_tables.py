@@ -227,3 +227,29 @@ def test_the_avg_at_k_tokens_table_reads_grpos_final_avg_at_k_and_the_sampled_cr
     text = docs_tables.tokens_to_target_table(ctx, "paper", sampled=True)
     assert "| arm | tokens to 0.540 | seeds reaching |" in text and "held-out avg@k first reaches 0.540" in text
     assert "| `grpo` | 300,000 [250,000, 350,000] | 3/3 |" in text and "| `trace` | not reached | 0/3 |" in text
+
+
+def test_the_allocators_table_reads_the_simulator_ratio_and_the_default_task_differences(tmp_path):
+    from scripts.docs_tables_allocators import ALLOCATORS, allocators_table
+
+    (tmp_path / "reports" / "benchmarks").mkdir(parents=True)
+    ratio = {"mean": 1.26, "low": 1.19, "high": 1.33, "n": 5}
+    (tmp_path / "reports" / "benchmarks" / "allocation_quality.json").write_text(json.dumps(
+        {"results": {"headline": {"allocators_on_one_budget": {"mopps": {"ratio_vs_grpo": ratio}}}}}))
+    folder = tmp_path / "reports" / "runs" / "all-arms-x"
+    folder.mkdir(parents=True)
+    diff = {"mean": 0.12, "low": 0.05, "high": 0.19, "n": 3, "real": True}
+    (folder / "metrics.json").write_text(json.dumps({"ablations": {
+        "grpo": {"mean": {"trajectories/step": {"mean": 128.0, "n": 3}}},
+        "mopps": {"mean": {"trajectories/step": {"mean": 128.0, "n": 3}},
+                  "vs_grpo": {"effective ratio": diff,
+                              "eval mean@k": {"mean": -0.01, "low": -0.04, "high": 0.02, "n": 3, "real": False}}}}}))
+    ctx = docs_tables.Context(root=tmp_path, doc=tmp_path / "docs" / "results.md", index={"all-arms": "all-arms-x"})
+    rows = {line.split(" | ")[0][2:]: line for line in allocators_table(ctx).splitlines() if line.startswith("| `")}
+    assert list(rows) == [f"`{arm}`" for arm in ALLOCATORS]
+    assert rows["`mopps`"].endswith("| 128 | predicts prompt difficulty online; faster training with far fewer rollouts "
+                                    "| 1.26 [1.19, 1.33] | +0.120 [+0.050, +0.190] real | "
+                                    "-0.010 [-0.040, +0.020] within noise |")
+    assert rows["`vip`"].endswith("| n/a | n/a | n/a |")  # not in the report: said, not invented
+    empty = docs_tables.Context(root=tmp_path, doc=tmp_path / "README.md", index={"all-arms": None})
+    assert "No committed report yet" in allocators_table(empty)
