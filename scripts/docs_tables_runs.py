@@ -50,7 +50,8 @@ def arms_table(ctx: Context, key: str, full: bool) -> str:
         cols += [("eval mean@k", f"held-out mean@{k}", 3), ("eval pass@k", f"held-out pass@{k}", 3)]
     cols += [("effective ratio", "effective ratio", 3), ("effective token ratio", "effective token ratio", 3)]
     if full:
-        cols += [("active prompts", "active prompts", 3), ("train reward", "train reward", 3)]
+        cols += [("active prompts", "active prompts", 3), ("train reward", "train reward", 3),
+                 ("trajectories/step", "trajectories/step", 0)]
     cols += [("generated tokens", "generated tokens", 0), ("s/step", "s/step", 2)]
     rows = [[str(rank), f"`{arm}`"] + [_pm(abl[arm]["mean"].get(c), d) for c, _, d in cols]
             for rank, arm in enumerate(_ranked(abl), 1)]
