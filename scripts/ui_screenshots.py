@@ -5,7 +5,9 @@ Starts ``mlflow ui`` on 127.0.0.1 over the run's tracking database (``make ui``'
 - ``ui_runs_by_arm.png``: the runs table in the view the report links as "the arms' results" (every seed's
   evaluate run grouped by arm; the link is read from ``reports/summary.md``);
 - ``ui_rollout_table.png``: a train run's ``rollouts.json`` table (``trace.tracking.rollouts``);
-- ``ui_tree_images.png``: the same run's *Model metrics* tab, where the ``rollout_trees`` pictures sit by step;
+- ``ui_tree_images.png``: the same run's last ``rollout_trees`` picture, opened in its *Artifacts* tab (the
+  ``images/`` folder lists one picture per evaluation step; the *Model metrics* tab's image card needs a click on
+  its step slider, which a headless shot cannot give);
 - ``ui_report.png``: the report run's ``summary.md``, rendered as Markdown.
 
 Chromium is Debian's package (``apt-get install -y chromium``); nothing is downloaded at run time. The MLflow UI is
@@ -23,6 +25,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import quote
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VIEWS = ("ui_runs_by_arm", "ui_rollout_table", "ui_tree_images", "ui_report")
@@ -30,7 +33,7 @@ _ARMS_LINK = re.compile(r"\[the arms' results\]\((?P<url>[^)]+)\)")
 
 
 def view_urls(base_url: str, experiment_id: str, train_run_id: str, report_run_id: str,
-              summary_text: str | None) -> dict[str, str]:
+              summary_text: str | None, tree_image: str | None = None) -> dict[str, str]:
     """The URL of each view (``VIEWS``) on the MLflow UI at ``base_url``.
 
     Args:
@@ -40,6 +43,8 @@ def view_urls(base_url: str, experiment_id: str, train_run_id: str, report_run_i
         report_run_id: the report stage's run.
         summary_text: ``reports/summary.md``; its "the arms' results" link (written for ``make ui``'s address)
             is moved to ``base_url``. None, or a summary without the link, shows the experiment's runs table.
+        tree_image: the artifact path of a ``rollout_trees`` picture of the train run (``images/...png``);
+            None shows the run's *Model metrics* tab instead.
 
     Returns:
         ``{view: url}`` in ``VIEWS`` order.
@@ -51,8 +56,20 @@ def view_urls(base_url: str, experiment_id: str, train_run_id: str, report_run_i
     run = f"{base_url}/#/experiments/{experiment_id}/runs"
     return {"ui_runs_by_arm": runs,
             "ui_rollout_table": f"{run}/{train_run_id}/artifactPath/rollouts.json",
-            "ui_tree_images": f"{run}/{train_run_id}/model-metrics",
+            "ui_tree_images": (f"{run}/{train_run_id}/artifactPath/{quote(tree_image, safe='/+')}" if tree_image
+                               else f"{run}/{train_run_id}/model-metrics"),
             "ui_report": f"{run}/{report_run_id}/artifactPath/summary.md"}
+
+
+def last_tree_image(artifact_paths: list[str]) -> str | None:
+    """The ``rollout_trees`` PNG of the highest step among a run's ``images/`` artifacts, or None.
+
+    MLflow names each logged image ``images/<key>+step+<step>+timestamp+<ms>+<uuid>.png`` (and a compressed
+    ``.webp`` beside it).
+    """
+    found = [(int(m.group(1)), path) for path in artifact_paths
+             if (m := re.search(r"rollout_trees\+step\+(\d+)\+.*(?<!compressed)\.png$", path))]
+    return max(found)[1] if found else None
 
 
 def _newest_run(client, experiment_id: str, stage: str, arm: str | None = None):
@@ -106,8 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     report = _newest_run(client, experiment.experiment_id, "report")
     summary = REPO_ROOT / "reports" / "summary.md"
     base = f"http://127.0.0.1:{args.port}"
+    images = last_tree_image([a.path for a in client.list_artifacts(train.info.run_id, "images")])
     urls = view_urls(base, experiment.experiment_id, train.info.run_id, report.info.run_id,
-                     summary.read_text() if summary.is_file() else None)
+                     summary.read_text() if summary.is_file() else None, images)
     mlflow = Path(sys.executable).parent / "mlflow"
     server = subprocess.Popen([str(mlflow), "ui", "--backend-store-uri", uri, "--host", "127.0.0.1", "--port",
                                str(args.port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
