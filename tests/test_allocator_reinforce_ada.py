@@ -196,3 +196,15 @@ def test_every_step_samples_exactly_the_trajectory_budget_as_bare_rollouts(
     for tree in result.sampled_trees:
         assert all(n.origin in (Origin.PROMPT, Origin.ROLLOUT) and n.branch_anchor_id == -1 for n in tree.nodes)
         assert tree.root.num_branches == tree.num_trajectories()
+
+
+def test_keep_sets_the_balanced_exit_apart_from_the_group_size():
+    # budget 16, 8 a round, one prompt first (initial 16 // 16 = 1): p0 draws 2 positives and 6 negatives in round 1.
+    # With n = group_size = 8 it needs 4 and 4: active, round 2 gives it 8 more. With keep = 4 it needs 2 and 2:
+    # retired after round 1, so the next candidate p1 enters with the other 8.
+    scripts = [[1.0, 1.0] + [0.0] * 14, [0.0] * 8]
+    by_group, calls = run_rule(scripts, 16, group_size=8, round_repeat=8)
+    assert by_group.counts.tolist() == [16, 0] and calls[1] == ("more", "ada1", {0: 8})
+    by_keep, calls = run_rule(scripts, 16, group_size=8, round_repeat=8, keep=4)
+    assert by_keep.counts.tolist() == [8, 8] and calls[1] == ("groups", "ada1", [1], 8)
+    assert by_keep.metrics["reinforce_ada/retired"] == 1.0

@@ -265,7 +265,8 @@ def plan_root_counts(arm: Arm, pred_success_prob, *, trajectory_budget: int, exp
         exact_max_cells: DP size limit passed to ``allocate_roots``.
         max_retries: refill rounds of ``dapo`` (``allocation.dapo_max_retries``).
         rng_for: ``rng_for(purpose) -> Generator`` for rules that draw (``dapo``: ``"dapo"``); the planning
-            rules are deterministic given their inputs (candidates arrive in random order already).
+            rules are deterministic given their inputs (candidates arrive in random order already); ``greso`` and
+            ``mopps`` draw from ``"greso"`` / ``"mopps"``.
         sample_groups: ``sample_groups(candidate_indices, n, salt) -> trees`` for rules that sample (``dapo``).
         root_objective: the ``trace`` rule's stage-1 objective (``allocation.root_objective``): ``"groups"``
             (the paper's ``sum_i A(p_i, m_i)``) or ``"leaves"`` (``sum_i m_i A(p_i, m_i)``); the other rules

@@ -43,8 +43,15 @@ def _settings(config):
 
 
 def group_outcome(rewards: np.ndarray, easy_mean: float = 0.98, hard_mean: float = 0.11) -> str:
-    """``"easy"`` (mean reward >= ``easy_mean``), ``"hard"`` (mean <= ``hard_mean``) or ``"mixed"`` for one group's
-    leaf rewards (an empty group is ``"mixed"``)."""
+    """What one group's outcome says of its prompt: all correct, all wrong, or neither.
+
+    Args:
+        rewards: (k,) float64 the group's leaf rewards, in [0, 1].
+        easy_mean, hard_mean: the bounds on the mean reward (GRESO's code: 0.98 and 0.11).
+
+    Returns:
+        ``"easy"`` (mean >= ``easy_mean``), ``"hard"`` (mean <= ``hard_mean``) or ``"mixed"`` (also for no rewards).
+    """
     r = np.asarray(rewards, dtype=np.float64)
     if r.size == 0:
         return "mixed"
@@ -66,7 +73,8 @@ class GresoState:
         self.streaks: dict[str, tuple[int, int]] = {}  # prompt id -> (z_easy, z_hard)
 
     def keep_probability(self, prompt_uids: Sequence[str]) -> np.ndarray:
-        """(B,) float64 probability that each prompt is sampled this step."""
+        """(B,) float64 probability that each prompt is sampled this step, ``max(p_easy ** z_easy * p_hard **
+        z_hard, keep_floor)`` (1 for a prompt never seen)."""
         out = np.empty(len(prompt_uids), dtype=np.float64)
         for i, uid in enumerate(prompt_uids):
             z_easy, z_hard = self.streaks.get(uid, (0, 0))
@@ -75,7 +83,16 @@ class GresoState:
 
     def observe(self, prompt_uids: Sequence[str], rewards: Sequence[np.ndarray],
                 prompt_texts: Sequence[str] = ()) -> dict[str, float]:
-        """Extend each sampled prompt's streak, then move ``p_easy`` and ``p_hard`` toward their targets."""
+        """Extend each sampled prompt's streak, then move ``p_easy`` and ``p_hard`` toward their targets.
+
+        Args:
+            prompt_uids: one id per sampled tree.
+            rewards: that tree's (k,) leaf rewards.
+            prompt_texts: unused (the ``AllocatorState`` signature).
+
+        Returns:
+            ``{"greso/p_easy", "greso/p_hard"}`` after the move.
+        """
         s = self.settings
         outcomes = [group_outcome(r, s.easy_mean, s.hard_mean) for r in rewards]
         for uid, outcome in zip(prompt_uids, outcomes):
@@ -98,6 +115,7 @@ class GresoState:
                 "streaks": {uid: list(z) for uid, z in self.streaks.items()}}
 
     def load_state_dict(self, state: Mapping) -> None:
+        """Restore ``state_dict()``'s output; a dict without its keys raises ``KeyError``."""
         self.p_easy, self.p_hard = float(state["p_easy"]), float(state["p_hard"])
         self.streaks = {str(uid): (int(z[0]), int(z[1])) for uid, z in state["streaks"].items()}
 

@@ -78,6 +78,7 @@ class MoppsState:
         return {"alpha": dict(self.alpha), "beta": dict(self.beta)}
 
     def load_state_dict(self, state: Mapping) -> None:
+        """Restore ``state_dict()``'s output; a dict without its keys raises ``KeyError``."""
         self.alpha = {str(k): float(v) for k, v in state["alpha"].items()}
         self.beta = {str(k): float(v) for k, v in state["beta"].items()}
 

@@ -6,9 +6,10 @@ initial_prompts``; default ``T // (2 round_repeat)``, so round 1 spends half the
 prompt: the advantage's mean and standard deviation run over every rollout drawn for it, the original's
 ``global_stat_est``). A prompt retires when
 
-- ``balanced`` (default): it has at least ``n // 2`` positive and ``n - n // 2`` negative rollouts
-  (``n = allocation.group_size``, the original's kept samples per prompt; positive means reward >
-  ``positive_threshold``);
+- ``balanced`` (default): it has at least ``n // 2`` positive and ``n - n // 2`` negative rollouts (positive
+  means reward > ``positive_threshold``). ``n`` is ``allocation.reinforce_ada.keep``, the original's kept
+  rollouts per prompt; unset it is ``allocation.group_size`` (8), so a prompt retires at 4 and 4 where the
+  original's script (``rollout.n`` = 4) retires it at 2 and 2: set ``keep: 4`` for that;
 - ``positive_focused``: it has one positive rollout;
 
 or after ``max_rounds`` rounds. The original lets each step draw 8-32 rollouts per prompt; here the rounds stop
@@ -51,6 +52,9 @@ def is_retired(rewards: np.ndarray, group_size: int, mode: str, positive_thresho
         mode: ``"balanced"`` or ``"positive_focused"``.
         positive_threshold: a rollout is positive when its reward is > this.
 
+    Returns:
+        True when the prompt has enough contrast (or, ``positive_focused``, a positive) to stop sampling it.
+
     Raises:
         ValueError: an unknown mode.
     """
@@ -83,7 +87,8 @@ def reinforce_ada_root_rule(request: RootRequest) -> RootDecision:
         raise ValueError("the reinforce_ada arm samples in rounds: call trace.allocation.step.allocate_step with a "
                          "sampler, not plan_root_counts")
     s = _settings(request.config)
-    budget, repeat, n = request.root_budget, s.round_repeat, request.group_size
+    budget, repeat = request.root_budget, s.round_repeat
+    n = s.keep if s.keep is not None else request.group_size
     num_candidates = request.num_candidates
     if budget > 0 and num_candidates == 0:
         raise ValueError(f"cannot spend {budget} trajectories on 0 candidates: raise allocation.num_candidates")

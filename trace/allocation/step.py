@@ -9,8 +9,8 @@ sampler (``StepSampler``) is the only part that differs between the policy's rol
 
 Invariant: every arm samples exactly ``allocation.trajectory_budget`` trajectories, except ``dapo``, which
 samples at most that many. Random streams are named by purpose (``rng_for("expand0")``) and sampler
-salts (``"roots"``, ``"dapo<k>"``, ``"branch<r>"``, ``"extra_roots"``), so a step's draws depend only on the
-caller's seeding, never on another arm's.
+salts (``"roots"``, ``"dapo<k>"``, ``"ada<r>"``, ``"branch<r>"``, ``"extra_roots"``), so a step's draws depend
+only on the caller's seeding, never on another arm's.
 """
 
 from __future__ import annotations
@@ -94,7 +94,8 @@ class StepResult:
             ``dapo/no_mixed_group``, ``dapo/kept_groups``), ``allocation/extra_root_rollouts``.
         timings: seconds, ``time/predict``, ``time/rollout`` (bare rollouts from the roots, extra root
             rollouts included) and (when continuations were sampled) ``time/expand``.
-        is_filtered: the root rule kept only some of the trees it sampled (``dapo``).
+        is_filtered: the root rule kept only some of the trees it sampled (``dapo``; never ``reinforce_ada``, which
+            trains on every tree it samples).
         root_pred_success_prob: (len(sampled_trees),) float64 ``p_i`` stage 1 read for each sampled tree;
             NaN for arms that read no predictor.
         root_counts: (len(sampled_trees),) int64 ``m_i``, each sampled tree's bare root rollouts (stage 1).
@@ -160,7 +161,8 @@ def allocate_step(arm: Arm, candidates: Sequence, sampler: StepSampler, acfg,
         acfg: the allocation section (``trace.configuration.config.AllocationConfig``): ``trajectory_budget``,
             ``expansion_ratio``, ``group_size``, ``m_min``, ``m_max``, ``knapsack_m_min``, ``exact_max_cells``,
             ``dapo_max_retries``, ``rounds``, ``treepo_width``.
-        rng_for: ``rng_for(purpose) -> numpy Generator`` of the step (purposes ``"dapo"``, ``"expand<r>"``).
+        rng_for: ``rng_for(purpose) -> numpy Generator`` of the step (purposes ``"dapo"``, ``"greso"``, ``"mopps"``,
+            ``"expand<r>"``).
         state: the arm's ``AllocatorState`` (``trace.allocation.arms.make_allocator_state``) for rules that keep
             one across steps; the rule reads it, and once the step is sampled ``state.observe`` receives the
             leaf rewards of every sampled tree (its metrics join the step's). None for stateless rules.
@@ -248,5 +250,6 @@ def allocate_step(arm: Arm, candidates: Sequence, sampler: StepSampler, acfg,
         metrics.update(state.observe([t.prompt_uid for t in sampled_trees], [t.leaf_rewards() for t in sampled_trees],
                                      [texts.get(t.prompt_uid, "") for t in sampled_trees]))
     return StepResult(trees=trees, sampled_trees=sampled_trees, metrics=metrics, timings=timings,
-                      is_filtered=plan.trees is not None, root_pred_success_prob=root_pred, root_counts=root_counts,
+                      is_filtered=plan.trees is not None and len(plan.trees) < len(plan.sampled_trees),
+                      root_pred_success_prob=root_pred, root_counts=root_counts,
                       anchors=chosen)

@@ -1,7 +1,8 @@
 """VIP as a root rule: a Gaussian process forecasts each prompt's success; rollouts go where they cut gradient variance.
 
 Batch. VIP reallocates a given batch of prompts: here ``grpo``'s, the first ``R // n`` candidates (16 of the
-default 32), so it spends ``n`` per prompt on average, as the original (budget = batch x ``rollout.n``).
+default 32; at least ``ceil(R / n_max)``, so that the batch can hold the budget), so it spends ``n`` per prompt on
+average, as the original (budget = batch x ``rollout.n``).
 
 Forecast. Each prompt is embedded as its question's hashed word uni- and bigrams (``embed_prompts``:
 scikit-learn's ``HashingVectorizer``, ``allocation.vip.embedding_dim`` features, unit norm: an offline text
@@ -49,7 +50,15 @@ def _settings(config):
 
 
 def embed_prompts(texts: Sequence[str], dim: int) -> np.ndarray:
-    """(len(texts), dim) float64 unit-norm hashed word uni/bigram counts of each text (no fitting, no download)."""
+    """Each text as unit-norm hashed counts of its word uni- and bigrams (no fitting, no download).
+
+    Args:
+        texts: N question texts.
+        dim: features (``allocation.vip.embedding_dim``).
+
+    Returns:
+        (N, dim) float64, each row of norm 1 (0 for a text without a word).
+    """
     from sklearn.feature_extraction.text import HashingVectorizer
 
     # one-character tokens (digits, variables) count: questions that differ in one digit differ
@@ -100,7 +109,8 @@ def vip_counts(pred_success_prob: np.ndarray, budget: int, *, gamma: float, n_ma
         raise ValueError(f"allocation.vip.n_drop={n_drop} > n_max={n_max}: set n_drop <= n_max")
     if budget > num * n_max:
         raise ValueError(f"vip cannot spend {budget} trajectories on {num} candidates of at most n_max={n_max} each: "
-                         "raise allocation.vip.n_max or allocation.num_candidates")
+                         "raise allocation.vip.n_max or allocation.num_candidates, or lower "
+                         "allocation.trajectory_budget")
     counts = np.zeros(num, dtype=np.int64)
     if budget == 0:
         return counts
@@ -202,13 +212,15 @@ class VipState:
         return {"prior_logit": dict(self.prior_logit), "last": [list(row) for row in self.last]}
 
     def load_state_dict(self, state: Mapping) -> None:
+        """Restore ``state_dict()``'s output; a dict without its keys raises ``KeyError``."""
         self.prior_logit = {str(k): float(v) for k, v in state["prior_logit"].items()}
         self.last = [(str(u), str(t), float(y)) for u, t, y in state["last"]]
 
 
 @register_root_rule("vip", make_state=VipState)
 def vip_root_rule(request: RootRequest) -> RootDecision:
-    """VIP: the GP forecast of the batch (the first ``R // n`` candidates), then ``vip_counts`` of the root budget.
+    """VIP: the GP forecast of the batch (the first ``R // n`` candidates, at least ``ceil(R / n_max)``), then
+    ``vip_counts`` of the root budget.
 
     Returns:
         ``RootDecision`` with ``counts`` (B,) int64 summing to ``R``; metrics ``vip/mean_forecast`` and
@@ -221,7 +233,9 @@ def vip_root_rule(request: RootRequest) -> RootDecision:
         raise ValueError("the vip arm forecasts from per-prompt state: call trace.allocation.step.allocate_step "
                          "with state=make_allocator_state(arm) and the candidates")
     s = request.state.settings
-    batch = min(request.num_candidates, max(1, request.root_budget // request.group_size))
+    # grpo's batch, widened where n_max could not hold the budget (a group size near the budget)
+    batch = min(request.num_candidates, max(request.root_budget // request.group_size,
+                                             -(-request.root_budget // s.n_max), 1))
     uids, texts = list(request.prompt_uids)[:batch], list(request.prompt_texts)[:batch]
     p = 1 / (1 + np.exp(-request.state.forecast(uids, texts)))
     counts = np.zeros(request.num_candidates, dtype=np.int64)

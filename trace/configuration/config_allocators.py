@@ -24,9 +24,11 @@ class ReinforceAdaConfig(Section):
     round_repeat: int = Field(8, ge=1, description="samples each active prompt gets per round")
     max_rounds: int = Field(4, ge=1, description="rounds at most per prompt")
     mode: Literal["balanced", "positive_focused"] = Field(
-        "balanced", description="retire a prompt at >= group_size // 2 positives and group_size - group_size // 2 "
-        "negatives (balanced) or at its first positive (positive_focused)")
+        "balanced", description="retire a prompt at >= n // 2 positives and n - n // 2 negatives, n = keep "
+        "(balanced), or at its first positive (positive_focused)")
     positive_threshold: float = Field(0.7, description="a sample is positive when its reward is > this")
+    keep: Optional[int] = Field(None, ge=2, description="n of the balanced exit (keep // 2 positives, the rest "
+                                "negatives); None = allocation.group_size (the original's script keeps 4)")
     initial_prompts: Optional[int] = Field(
         None, ge=1, description="prompts of round 1; None = trajectory_budget // (2 * round_repeat): round 1 spends "
         "half the budget, the later rounds the rest")
@@ -73,7 +75,8 @@ class VipConfig(Section):
     noise: float = Field(1e-4, gt=0, description="observation noise (jitter) of the GP, logit units squared")
     prior_logit: float = Field(-5.0, description="prior mean logit of a prompt never forecast before")
     embedding_dim: int = Field(256, ge=8, description="features of the hashed word uni/bigram embedding")
-    p_clip: float = Field(1e-6, gt=0, lt=0.5, description="observed rates and forecasts are clipped to [this, 1 - this]")
+    p_clip: float = Field(1e-6, gt=0, lt=0.5,
+                          description="observed rates and forecasts are clipped to [this, 1 - this]")
 
     @model_validator(mode="after")
     def _check(self) -> "VipConfig":
