@@ -192,18 +192,23 @@ def test_the_state_survives_a_json_round_trip():
         np.testing.assert_array_equal(ours, theirs)
 
 
+def assert_resume_equals_uninterrupted(name, acfg, env):
+    """6 steps with one state equal 3 steps, a JSON round trip of the state into a fresh one, then 3 more; and a
+    fresh state at step 3 allocates otherwise (the state decides). Returns the uninterrupted run's records."""
+    arm = get_arm(name)
+    uninterrupted = make_allocator_state(arm, acfg)
+    straight = records(run_steps(name, uninterrupted, range(6), acfg, env))
+    before = make_allocator_state(arm, acfg)
+    first = records(run_steps(name, before, range(3), acfg, env))
+    resumed = make_allocator_state(arm, acfg)
+    resumed.load_state_dict(json.loads(json.dumps(before.state_dict())))
+    assert first + records(run_steps(name, resumed, range(3, 6), acfg, env)) == straight
+    assert resumed.state_dict() == uninterrupted.state_dict()
+    assert records(run_steps(name, make_allocator_state(arm, acfg), range(3, 6), acfg, env)) != straight[3:]
+    return straight
+
+
 def test_a_run_resumed_from_its_saved_state_allocates_as_an_uninterrupted_one():
     acfg = AllocationConfig(trajectory_budget=32, num_candidates=8, group_size=8, mopps=MoppsConfig(decay=0.8))
     env, _ = simulator(seed=2)
-    arm = get_arm("mopps")
-    uninterrupted = make_allocator_state(arm, acfg)
-    straight = records(run_steps("mopps", uninterrupted, range(6), acfg, env))
-
-    before = make_allocator_state(arm, acfg)
-    first = records(run_steps("mopps", before, range(3), acfg, env))
-    resumed = make_allocator_state(arm, acfg)
-    resumed.load_state_dict(json.loads(json.dumps(before.state_dict())))
-    assert first + records(run_steps("mopps", resumed, range(3, 6), acfg, env)) == straight
-    assert resumed.state_dict() == uninterrupted.state_dict()
-    # the state decides: steps 3..5 from a fresh posterior choose other prompts
-    assert records(run_steps("mopps", make_allocator_state(arm, acfg), range(3, 6), acfg, env)) != straight[3:]
+    assert_resume_equals_uninterrupted("mopps", acfg, env)

@@ -1,13 +1,11 @@
 """A stateful allocator (mopps) through the training loop: its state rides in the checkpoint, and a resumed run
 allocates and trains exactly as an uninterrupted one."""
 
-import dataclasses
 import json
-import zlib
 
 import pytest
 
-from tests.test_loop import tiny_trainer
+from tests.test_loop import end_episodes_at_the_first_turn, tiny_trainer
 from trace.training.checkpoint import CheckpointError, state_path
 from trace.tree_io import read_trees, tree_path
 
@@ -20,19 +18,8 @@ SETTINGS = {"train.num_steps": 4, "train.checkpoint_every": 2, "update.lr": 0.05
 
 @pytest.fixture
 def checksum_rewards(monkeypatch):
-    """An untrained tiny policy never answers: end each episode at its first turn with a reward from a checksum of
-    the action, so groups are mixed and the posteriors move."""
-    from trace.envs.kgqa import KGQAEnvironment
-
-    real_step = KGQAEnvironment.step
-
-    def first_turn_ends(self, state, action):
-        result = real_step(self, state, action)
-        return dataclasses.replace(result, state=dataclasses.replace(result.state, done=True), observation="",
-                                   reward=float(zlib.crc32(repr(action).encode()) % 2), terminated=True,
-                                   truncated=False)
-
-    monkeypatch.setattr(KGQAEnvironment, "step", first_turn_ends)
+    """Mixed groups from the untrained tiny policy, so the posteriors move (``end_episodes_at_the_first_turn``)."""
+    end_episodes_at_the_first_turn(monkeypatch)
 
 
 def _trees(trainer, steps):

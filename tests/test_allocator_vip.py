@@ -8,7 +8,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from tests.test_allocation_step import simulator
-from tests.test_allocator_mopps import assert_the_rule_spent_the_budget, records, run_steps
+from tests.test_allocator_mopps import assert_resume_equals_uninterrupted, assert_the_rule_spent_the_budget, run_steps
 from trace.allocation.arms import get_arm, make_allocator_state, plan_root_counts
 from trace.allocation.vip import VipState, embed_prompts, vip_counts
 from trace.configuration.config import AllocationConfig
@@ -250,19 +250,9 @@ def test_the_state_survives_a_json_round_trip():
 def test_a_run_resumed_from_its_saved_state_allocates_as_an_uninterrupted_one():
     acfg = AllocationConfig(trajectory_budget=32, num_candidates=8, group_size=8)
     env, _ = simulator(seed=2)
-    arm = get_arm("vip")
-    uninterrupted = make_allocator_state(arm, acfg)
-    straight = records(run_steps("vip", uninterrupted, range(6), acfg, env))
-
-    before = make_allocator_state(arm, acfg)
-    first = records(run_steps("vip", before, range(3), acfg, env))
-    resumed = make_allocator_state(arm, acfg)
-    resumed.load_state_dict(json.loads(json.dumps(before.state_dict())))
-    assert first + records(run_steps("vip", resumed, range(3, 6), acfg, env)) == straight
-    assert resumed.state_dict() == uninterrupted.state_dict()
-    # the state decides: from step 1 the counts are no longer grpo's 8 each, and a fresh state would give 8 each
+    straight = assert_resume_equals_uninterrupted("vip", acfg, env)
+    # the state decides: from step 1 the counts are no longer grpo's 8 each (a fresh state would give 8 each)
     assert any(k != 8 for record in straight[3:] for _, k, _ in record)
-    assert records(run_steps("vip", make_allocator_state(arm, acfg), range(3, 6), acfg, env)) != straight[3:]
 
 
 def test_n_drop_above_n_max_is_refused_by_the_config_and_the_solver():

@@ -174,16 +174,13 @@ def test_a_trace_step_logs_the_allocation_audit_of_its_trees(tmp_path):
 
 
 # ---- the probe: a learning curve free of the per-step prompt draw ---------------------------------------------
-@pytest.mark.slow
-def test_the_probe_measures_the_gain_over_the_starting_policy_and_survives_a_resume(tmp_path, monkeypatch):
+def end_episodes_at_the_first_turn(monkeypatch):
+    """An untrained tiny policy never answers: end each episode at its first turn, rewarded by a checksum of the
+    action, so success rates are strictly between 0 and 1 and move when the policy does."""
     import zlib
 
     from trace.envs.kgqa import KGQAEnvironment
-    from trace.training.evaluation import success_rates
-    from trace.tree_io import read_trees, tree_path
 
-    # an untrained tiny policy never answers: end each episode at its first turn, rewarded by a checksum of the
-    # action, so success rates are strictly between 0 and 1 and move when the policy does
     real_step = KGQAEnvironment.step
 
     def first_turn_ends(self, state, action):
@@ -193,6 +190,14 @@ def test_the_probe_measures_the_gain_over_the_starting_policy_and_survives_a_res
                                    truncated=False)
 
     monkeypatch.setattr(KGQAEnvironment, "step", first_turn_ends)
+
+
+@pytest.mark.slow
+def test_the_probe_measures_the_gain_over_the_starting_policy_and_survives_a_resume(tmp_path, monkeypatch):
+    from trace.training.evaluation import success_rates
+    from trace.tree_io import read_trees, tree_path
+
+    end_episodes_at_the_first_turn(monkeypatch)
     # a large step, so that the policy after 3 updates samples other actions than the starting one
     settings_ = {"train.num_steps": 3, "train.eval_every": 2, "train.checkpoint_every": 2, "update.lr": 0.05}
     plain = tiny_trainer("grpo", tmp_path / "plain", {**settings_, "train.probe_prompts": 0})
