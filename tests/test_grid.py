@@ -406,6 +406,7 @@ def _kill_during_second_train(cluster: Cluster, grid: subprocess.Popen) -> str:
     return f"{arm}-{seed}"
 
 
+SHARED_STAGES = ("prepare", "warmup", "seed_rollouts", "fit_predictor")  # check_params reads the changed params
 SHARED_OUTPUTS = ("data/params_checked", "data/prepared", "data/models", "data/seed_trees", "data/predictor",
                   "data/eval/warmup.json", "metrics/warmup.json", "metrics/seed_rollouts.json",
                   "metrics/fit_predictor.json", "dvc.lock")
@@ -413,8 +414,9 @@ SHARED_OUTPUTS = ("data/params_checked", "data/prepared", "data/models", "data/s
 
 def _start_reference(cluster: Cluster, grid: subprocess.Popen) -> subprocess.Popen:
     """Once the coordinator has run the shared stages, the one-folder run: their outputs and dvc.lock copied to
-    `one`, the same params but checkpoints of its own, then `dvc repro` there (every train@, evaluate@ and the
-    report one after another, in one folder, from nothing of the grid's)."""
+    `one` and committed to its own cache (so that DVC takes them as done), the same params but checkpoints of its
+    own, then `dvc repro` there (every train@, evaluate@ and the report one after another, in one folder, from
+    nothing of the grid's but the shared stages' outputs)."""
     import yaml
 
     deadline = time.monotonic() + 2400
@@ -428,9 +430,12 @@ def _start_reference(cluster: Cluster, grid: subprocess.Popen) -> subprocess.Pop
     params = yaml.safe_load((cluster.c / "params.yaml").read_text())
     params["train"].pop("checkpoint_dir")
     (cluster.one / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    env = cluster.env(cluster.one, MLFLOW_TRACKING_URI=f"sqlite:///{cluster.one}/mlflow.db")
+    commit = subprocess.run([str(BIN / "dvc"), "commit", "-f", *SHARED_STAGES], cwd=cluster.one, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert commit.returncode == 0, commit.stdout[-3000:] + commit.stderr[-3000:]
     return subprocess.Popen([str(BIN / "dvc"), "repro"], cwd=cluster.one, stdout=open(cluster.base / "one.log", "w"),
-                            stderr=subprocess.STDOUT,
-                            env=cluster.env(cluster.one, MLFLOW_TRACKING_URI=f"sqlite:///{cluster.one}/mlflow.db"))
+                            stderr=subprocess.STDOUT, env=env)
 
 
 def _tree_hashes(run_dir: Path) -> dict[str, str]:
@@ -501,6 +506,14 @@ def test_the_grid_through_two_workers_equals_one_folder_and_a_killed_job_resumes
     report_c = json.loads((cluster.c / "reports" / "metrics.json").read_text())
     report_one = json.loads((cluster.one / "reports" / "metrics.json").read_text())
     assert _numbers(report_c) == _numbers(report_one)
+    # two training seeds in one folder: every arm trains twice from the one warmup, the report has intervals
+    ran = [line for line in (cluster.base / "one.log").read_text().splitlines() if line.startswith("Running stage")]
+    assert {f"Running stage '{stage}@{name}':" for stage in ("train", "evaluate") for name in jobs} <= set(ran), ran
+    assert not any(f"'{stage}'" in line for line in ran for stage in SHARED_STAGES), ran
+    summary = (cluster.one / "reports" / "summary.md").read_text()
+    assert "Seeds 0, 1 (2 runs per arm)" in summary and "one seed, no interval" not in summary
+    assert all((cluster.one / "data" / "runs" / arm / f"s{seed}" / "final").is_dir()
+               for arm in ("grpo", "trace") for seed in (0, 1))
     status = subprocess.run([str(BIN / "dvc"), "status", "--json"], cwd=cluster.c, env=cluster.env(cluster.c),
                             capture_output=True, text=True)
     assert json.loads(status.stdout or "{}") == {}, status.stdout

@@ -217,7 +217,8 @@ def test_a_killed_dvc_exp_run_resumes_training_and_records_the_experiment(projec
     from trace.tree_io import tree_path
 
     project_dir, env = project
-    args = ("exp", "run", "-S", "advantages.clip=4.0", "-S", "train.num_steps=5")  # checkpoints at steps 2, 4, 5
+    # checkpoints at steps 2, 4, 5; dapo alone: the other arms' stages would add nothing to what is checked
+    args = ("exp", "run", "-S", "advantages.clip=4.0", "-S", "train.num_steps=5", "-S", "train.ablations=[dapo]")
     before = _store_dirs(project_dir, "dapo")
     with open(project_dir / "killed.log", "w") as log:
         proc = subprocess.Popen([str(BIN / "dvc"), *args], cwd=project_dir, env=env, stdout=log,
@@ -238,6 +239,8 @@ def test_a_killed_dvc_exp_run_resumes_training_and_records_the_experiment(projec
     assert "resuming dapo at step 2" in again.stdout, again.stdout[-4000:]
     cfg = load_config(project_dir / "params.yaml")
     assert cfg.advantages.clip == 4.0 and cfg.train.num_steps == 5
+    ran = [line for line in again.stdout.splitlines() if line.startswith("Running stage")]
+    assert "Running stage 'train@dapo-0':" in ran and not any("grpo" in line or "trace-0" in line for line in ran), ran
     assert _step_history(project_dir, cfg.resume_hash(), "dapo") == [0, 1, 2, 3, 4]  # each step logged once
     resumed_summary = json.loads((project_dir / "data" / "runs" / "dapo" / "s0" / "summary.json").read_text())
     resumed_metrics = json.loads((project_dir / "metrics" / "ablations" / "dapo" / "s0.json").read_text())
@@ -357,20 +360,6 @@ def test_a_queued_experiment_of_a_real_data_task_reads_its_data_beside_the_main_
     _dvc(project_dir, env, "queue", "stop", "--kill", timeout=120)
     assert "Success" in status, status + text[-4000:]
     assert "not found" not in text and "train/num_prompts" in text, text[-4000:]
-    subprocess.run(["git", "checkout", "params.yaml"], cwd=project_dir, check=True)
-
-
-def test_two_training_seeds_train_every_arm_twice_from_one_warmup_and_report_intervals(project):
-    project_dir, env = project
-    subprocess.run(["git", "checkout", "params.yaml"], cwd=project_dir, check=True)
-    out = _dvc(project_dir, env, "exp", "run", "-S", "train.seeds=[0,1]")
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    ran = [line for line in out.stdout.splitlines() if line.startswith("Running stage")]
-    assert "Running stage 'train@trace-1':" in ran and "Running stage 'evaluate@grpo-1':" in ran, ran
-    assert not any(name in line for line in ran for name in ("'warmup'", "'prepare'", "'fit_predictor'")), ran
-    summary = (project_dir / "reports" / "summary.md").read_text()
-    assert "Seeds 0, 1 (2 runs per arm)" in summary and "one seed, no interval" not in summary
-    assert (project_dir / "data" / "runs" / "trace" / "s1" / "final").is_dir()
     subprocess.run(["git", "checkout", "params.yaml"], cwd=project_dir, check=True)
 
 

@@ -77,10 +77,7 @@ def _tree_digest(run_dir: Path) -> str:
 def test_killed_run_resumes_and_matches_an_uninterrupted_run(tmp_path):
     env = clean_env()
     steps = 5
-    full = _run(tmp_path / "full", steps, env)
-    out, _ = full.communicate(timeout=600)
-    assert full.returncode == 0, out[-3000:]
-
+    full = _run(tmp_path / "full", steps, env)  # alongside the run to kill: each process keeps about one core busy
     killed_dir = tmp_path / "killed"
     proc = _run(killed_dir, steps, env)
     marker = tree_path(killed_dir / "trees", "trace", 2)
@@ -90,6 +87,8 @@ def test_killed_run_resumes_and_matches_an_uninterrupted_run(tmp_path):
     assert proc.poll() is None, "run finished before it could be killed"
     proc.send_signal(signal.SIGKILL)  # during step 3, after the checkpoint of step 2
     proc.wait()
+    out, _ = full.communicate(timeout=600)
+    assert full.returncode == 0, out[-3000:]
 
     resumed = _run(killed_dir, steps, env)
     out, _ = resumed.communicate(timeout=600)

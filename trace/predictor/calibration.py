@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from sklearn import metrics as sk_metrics
 
 NUM_ECE_BINS = 10
 LOG_LOSS_EPS = 1e-15
@@ -66,6 +65,7 @@ def brier_score(pred: Any, label: Any, weight: Any = None) -> float:
     """
     p, y, w = _check_metric_inputs(pred, label, weight)
     outcome, score, outcome_weight = _expanded_outcomes(p, y, w)
+    from sklearn import metrics as sk_metrics  # here: importing sklearn takes a second
     return float(sk_metrics.brier_score_loss(outcome, score, sample_weight=outcome_weight, pos_label=1.0))
 
 
@@ -88,6 +88,7 @@ def log_loss(pred: Any, label: Any, weight: Any = None, eps: float = LOG_LOSS_EP
     p, y, w = _check_metric_inputs(pred, label, weight)
     p = np.clip(p, eps, 1.0 - eps)
     outcome, score, outcome_weight = _expanded_outcomes(p, y, w)
+    from sklearn import metrics as sk_metrics  # here: importing sklearn takes a second
     return float(sk_metrics.log_loss(outcome, score, sample_weight=outcome_weight, labels=[0.0, 1.0]))
 
 
@@ -148,4 +149,5 @@ def roc_auc(pred: Any, label: Any, weight: Any = None) -> float:
     outcome, score, outcome_weight = _expanded_outcomes(p, y, w)
     if outcome_weight[:p.size].sum() <= 0.0 or outcome_weight[p.size:].sum() <= 0.0:
         return float("nan")
+    from sklearn import metrics as sk_metrics  # here: importing sklearn takes a second
     return float(sk_metrics.roc_auc_score(outcome, score, sample_weight=outcome_weight))

