@@ -90,6 +90,22 @@ def test_a_folder_left_unfinished_by_a_killed_conversion_is_converted_again(monk
     assert (target / "config.json").read_text().startswith("{\n")
 
 
+def test_of_two_conversions_at_once_the_first_folder_stays_and_no_temporary_folder_is_left(monkeypatch, tmp_path):
+    (tmp_path / "m.gguf").write_bytes(b"GGUF fake")
+    target = tmp_path / "cache" / f"m-{gguf_key(tmp_path / 'm.gguf')}"
+    tiny = _fake_gguf_loader(monkeypatch, [])
+
+    def another_process_finishes_first(folder, gguf_file):
+        target.mkdir(parents=True)
+        (target / "converted_from.txt").write_text("the other process\n")
+        return tiny.tokenizer, tiny.model
+
+    monkeypatch.setattr(gguf_cache, "load_gguf", another_process_finishes_first)
+    assert converted_gguf(tmp_path, "m.gguf", root=tmp_path / "cache") == target
+    assert (target / "converted_from.txt").read_text() == "the other process\n"
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [target.name]
+
+
 def test_weights_kept_in_gguf_blocks_are_refused_with_the_fix_and_nothing_is_written(monkeypatch, tmp_path):
     (tmp_path / "m.gguf").write_bytes(b"GGUF fake")
     _fake_gguf_loader(monkeypatch, [], int_weights=True)
