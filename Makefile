@@ -76,9 +76,12 @@ run-paper: venv
 	  -S train.eval_samples=$(PAPER_EVAL_SAMPLES) \
 	  -S train.probe_prompts=$(PAPER_PROBE_PROMPTS) && $(dvc_experiment)
 
-# --durations: the slowest tests, printed at the end (where the suite's time goes)
+# --durations: the slowest tests, printed at the end (where the suite's time goes). TEST_WORKERS pytest-xdist
+# processes (one torch thread each on 2 cores), a whole file to one worker (module fixtures and ordered tests
+# stay together); TEST_WORKERS=0 runs every test in one process
+TEST_WORKERS ?= 2
 test: venv
-	$(BIN)/python -m pytest tests --durations=25
+	$(BIN)/python -m pytest tests --durations=25 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 # MLflow UI on 127.0.0.1 only.
 ui: venv
