@@ -106,6 +106,26 @@ def test_of_two_conversions_at_once_the_first_folder_stays_and_no_temporary_fold
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [target.name]
 
 
+def test_a_cache_folder_that_cannot_be_written_warns_with_the_fix_and_the_gguf_file_is_read_itself(monkeypatch,
+                                                                                                     tmp_path):
+    (tmp_path / "m.gguf").write_bytes(b"GGUF fake")
+    (tmp_path / "a-file").write_text("not a folder")
+    calls: list = []
+    _fake_gguf_loader(monkeypatch, calls)
+    with pytest.warns(UserWarning, match=r"cannot write the GGUF cache folder .*a-file/cache.*TRACE_GGUF_CACHE"):
+        assert converted_gguf(tmp_path, "m.gguf", root=tmp_path / "a-file" / "cache") is None
+    assert calls == []  # refused before the slow parse
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    tiny = _fake_gguf_loader(monkeypatch, calls)
+    monkeypatch.setattr(type(tiny.model), "save_pretrained", disk_full)
+    with pytest.warns(UserWarning, match="No space left on device"):
+        assert converted_gguf(tmp_path, "m.gguf", root=tmp_path / "cache") is None
+    assert list((tmp_path / "cache").iterdir()) == []  # no half-written folder left
+
+
 def test_weights_kept_in_gguf_blocks_are_refused_with_the_fix_and_nothing_is_written(monkeypatch, tmp_path):
     (tmp_path / "m.gguf").write_bytes(b"GGUF fake")
     _fake_gguf_loader(monkeypatch, [], int_weights=True)

@@ -9,7 +9,8 @@ GGUF loader casts its de-quantised ones.
 
 Where: ``$TRACE_GGUF_CACHE`` if set, else ``$XDG_CACHE_HOME/trace/gguf`` (``~/.cache/trace/gguf``). One folder per
 GGUF content and ``transformers`` version (the key hashes both), so an updated wheel or library converts anew.
-``TRACE_GGUF_CACHE=off`` loads the GGUF file every time, as ``transformers`` alone does. SmolLM2-135M takes
+``TRACE_GGUF_CACHE=off`` loads the GGUF file every time, as ``transformers`` alone does; so does a cache folder
+that cannot be written, with a warning that says so. SmolLM2-135M takes
 517 MB there. A folder appears complete or not at all (written beside, then renamed), so processes that convert
 at once (two ranks) each read a whole one.
 """
@@ -20,6 +21,7 @@ import hashlib
 import os
 import shutil
 import uuid
+import warnings
 from pathlib import Path
 
 CACHE_ENV = "TRACE_GGUF_CACHE"
@@ -68,12 +70,12 @@ def converted_gguf(folder: str | os.PathLike, gguf_file: str, root: Path | None 
 
     Returns:
         A folder that ``AutoTokenizer.from_pretrained`` and ``AutoModelForCausalLM.from_pretrained`` read (float32
-        weights as ``model.safetensors``), or None when the cache is off.
+        weights as ``model.safetensors``), or None when the cache is off or cannot be written (a warning names the
+        folder, the reason and ``TRACE_GGUF_CACHE``; the caller then loads the GGUF file itself).
 
     Raises:
         ValueError: ``transformers`` kept the weights in GGUF blocks (a GGUF matmul kernel is installed), so
             they cannot be written as float tensors.
-        OSError: the cache folder cannot be written (set ``TRACE_GGUF_CACHE`` to another folder, or ``off``).
     """
     root = gguf_cache_root() if root is None else root
     if root is None:
@@ -82,6 +84,10 @@ def converted_gguf(folder: str | os.PathLike, gguf_file: str, root: Path | None 
     target = root / f"{Path(gguf_file).stem}-{gguf_key(source)}"
     if (target / _DONE_FILE).is_file():
         return target
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        return _unwritable(root, source, err)
     tokenizer, model = load_gguf(folder, gguf_file)
     if any(not param.dtype.is_floating_point for param in model.parameters()):
         raise ValueError(f"{source} was loaded with its weights kept in GGUF blocks (a GGUF matmul kernel is "
@@ -90,7 +96,6 @@ def converted_gguf(folder: str | os.PathLike, gguf_file: str, root: Path | None 
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None:  # the weights are plain tensors now: save them as any float checkpoint
         quantizer.remove_quantization_config(model)
-    root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         model.save_pretrained(tmp)
@@ -102,6 +107,15 @@ def converted_gguf(folder: str | os.PathLike, gguf_file: str, root: Path | None 
             if not (target / _DONE_FILE).is_file():
                 shutil.rmtree(target, ignore_errors=True)
                 os.replace(tmp, target)
+    except OSError as err:  # a full disk, a folder turned read-only
+        return _unwritable(root, source, err)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _unwritable(root: Path, source: Path, err: OSError) -> None:
+    warnings.warn(f"cannot write the GGUF cache folder {root} ({err}); {source} is loaded from the GGUF file, "
+                  f"which takes longer: set {CACHE_ENV} to a writable folder, or to {OFF} to skip this warning",
+                  stacklevel=3)
+    return None
