@@ -60,6 +60,23 @@ def load_gguf(folder: str | os.PathLike, gguf_file: str):
     return tokenizer, AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
 
 
+def detach_dequantised(model, source: str | os.PathLike) -> None:
+    """Drop the GGUF marker of a model whose GGUF weights were de-quantised on load, so that it trains and saves
+    (``save_pretrained``) as any float checkpoint; a model without the marker is left as it is.
+
+    Raises:
+        ValueError: the weights stayed in GGUF blocks (a GGUF matmul kernel is installed): they can be neither
+            trained nor saved (names ``source`` and the fix).
+    """
+    if any(not param.dtype.is_floating_point for param in model.parameters()):
+        raise ValueError(f"{source} was loaded with its weights kept in GGUF blocks (a GGUF matmul kernel is "
+                         "installed), which cannot be trained or saved; uninstall the `kernels` package, or set "
+                         "policy.model_path to a float checkpoint")
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+
+
 def converted_gguf(folder: str | os.PathLike, gguf_file: str, root: Path | None = None) -> Path | None:
     """The plain checkpoint folder of ``folder/gguf_file``: converted now if not yet done.
 
@@ -89,13 +106,7 @@ def converted_gguf(folder: str | os.PathLike, gguf_file: str, root: Path | None 
     except OSError as err:
         return _unwritable(root, source, err)
     tokenizer, model = load_gguf(folder, gguf_file)
-    if any(not param.dtype.is_floating_point for param in model.parameters()):
-        raise ValueError(f"{source} was loaded with its weights kept in GGUF blocks (a GGUF matmul kernel is "
-                         "installed), which cannot be trained or saved; uninstall the `kernels` package, or set "
-                         "policy.model_path to a float checkpoint")
-    quantizer = getattr(model, "hf_quantizer", None)
-    if quantizer is not None:  # the weights are plain tensors now: save them as any float checkpoint
-        quantizer.remove_quantization_config(model)
+    detach_dequantised(model, source)
     tmp = root / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         model.save_pretrained(tmp)

