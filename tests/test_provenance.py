@@ -148,7 +148,7 @@ def test_a_readme_without_commit_command_cpu_or_time_fails(scratch, pattern, new
     (lambda m: m.pop("cpu_model"), "no machine.cpu_model"),
     (lambda m: m.pop("cpu_flags"), "no machine.cpu_flags"),
     (lambda m: m.update(cpu_flags="avx512f"), "is not a list of flag names"),
-    (lambda m: (m.update(cpu_flags=[]), m.pop("cpu_flags_note", None)), "is empty without cpu_flags_checked"),
+    (lambda m: (m.update(cpu_flags=[]), m.pop("cpu_flags_note", None), m.pop("cpu_flags_checked", None)), "is empty without cpu_flags_checked"),
     (lambda m: (m.update(cpu_flags=None), m.pop("cpu_flags_note", None)), "is null without a cpu_flags_note"),
 ])
 def test_a_benchmark_report_without_cpu_model_or_flags_fails(scratch, change, problem):
