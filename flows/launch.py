@@ -12,6 +12,13 @@ with no edit of ``dvc.yaml``.
   ``--seed`` only): ``--num_gpus N`` on this node, or every node of ``launch.hostfile`` (reached over
   passwordless ssh/pdsh; the run folder must be on a file system every node sees). On CPU it sets
   ``LOCAL_SIZE=N``, the CPU accelerator's device count, so the runner accepts N local ranks.
+  On one node without ``--master_port`` in ``launch.args`` it passes a port that was free (the runner's own
+  default, 29500, is the same for every stage on the machine); rank 0 listens on it only seconds later, so
+  where another process took it meanwhile (EADDRINUSE in the ranks' output) the launch is repeated on a new
+  port, at most ``PORT_TRIES`` times, each retry logged. A failed rendezvous ends the ranks before any step.
+
+torchrun's ``--standalone`` rendezvous needs no such retry: its agent binds port 0 and holds the store the
+ranks join. A single process binds no port at all (``trace.update.deepspeed_setup.init_process_group``).
 
 On CPU the ranks share the cores: each rank gets ``OMP_NUM_THREADS // N`` threads (at least 1).
 """
@@ -19,11 +26,14 @@ On CPU the ranks share the cores: each rank gets ``OMP_NUM_THREADS // N`` thread
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from typing import Sequence
 
 LAUNCHED_VAR = "TRACE_LAUNCHED"
+PORT_TRIES = 4  # launches of the deepspeed runner on new ports before a lost rendezvous port ends the stage
+_PORT_IN_USE = ("EADDRINUSE", "address already in use")
 
 
 def inside_launcher() -> bool:
@@ -69,8 +79,55 @@ def relaunch(launch_cfg, module: str, argv: Sequence[str]) -> int | None:
         if launch_cfg.launcher == "deepspeed":
             env.setdefault("LOCAL_SIZE", str(launch_cfg.num_processes))
             env.setdefault("DS_ACCELERATOR", "cpu")
-    print("launching:", " ".join(cmd), flush=True)
-    return subprocess.run(cmd, env=env, check=False).returncode
+    if launch_cfg.launcher != "deepspeed" or launch_cfg.hostfile or _has_option(cmd, "--master_port"):
+        print("launching:", " ".join(cmd), flush=True)
+        return subprocess.run(cmd, env=env, check=False).returncode
+    for attempt in range(1, PORT_TRIES + 1):
+        port = _free_port()
+        cmd_on_port = with_master_port(cmd, port)
+        print("launching:", " ".join(cmd_on_port), flush=True)
+        returncode, port_lost = _run_watching_for_port_in_use(cmd_on_port, env)
+        if returncode == 0 or not port_lost:
+            return returncode
+        print(f"launch: port {port} was taken by another process before rank 0 listened on it (EADDRINUSE); "
+              + (f"launching again on a new port ({attempt + 1} of {PORT_TRIES})" if attempt < PORT_TRIES
+                 else f"giving up after {PORT_TRIES} ports; pass a port in launch.args: [--master_port, N]"),
+              file=sys.stderr, flush=True)
+    return returncode
+
+
+def with_master_port(cmd: Sequence[str], port: int) -> list[str]:
+    """The deepspeed runner command ``cmd`` with ``--master_port <port>`` before its ``--module``."""
+    cmd = list(cmd)
+    at = cmd.index("--module")
+    return [*cmd[:at], "--master_port", str(port), *cmd[at:]]
+
+
+def _has_option(cmd: Sequence[str], option: str) -> bool:
+    return any(arg == option or arg.startswith(option + "=") for arg in cmd)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _run_watching_for_port_in_use(cmd: Sequence[str], env: dict[str, str]) -> tuple[int, bool]:
+    """Run ``cmd``, passing its output (stderr merged into stdout) through line by line.
+
+    Returns:
+        The exit code, and whether the output reported a port already in use.
+    """
+    port_lost = False
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          errors="replace", bufsize=1) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            port_lost = port_lost or any(marker in line for marker in _PORT_IN_USE)
+    return proc.returncode, port_lost
 
 
 def _has_cuda() -> bool:

@@ -269,7 +269,7 @@ def test_init_distributed_env_fills_only_missing_variables(monkeypatch):
     newly_set = init_distributed_env()
     assert os.environ["RANK"] == "0" and os.environ["LOCAL_RANK"] == "0" and os.environ["WORLD_SIZE"] == "1"
     assert os.environ["MASTER_ADDR"] == "10.0.0.7" and "MASTER_ADDR" not in newly_set
-    assert 0 < int(os.environ["MASTER_PORT"]) < 65536
+    assert "MASTER_PORT" not in os.environ  # one process binds no port (init_process_group: a file store)
     if not torch.cuda.is_available():
         assert os.environ["DS_ACCELERATOR"] == "cpu"
 

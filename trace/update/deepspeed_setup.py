@@ -8,8 +8,10 @@ DeepSpeed itself is imported only inside functions that need it, never at module
 
 from __future__ import annotations
 
+import atexit
 import os
-import socket
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -18,27 +20,23 @@ import torch
 from trace.configuration.config import UpdateConfig
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def init_distributed_env() -> dict[str, str]:
     """Fill in the single-process distributed environment DeepSpeed expects, where a launcher did not.
 
-    Sets ``RANK=0``, ``LOCAL_RANK=0``, ``WORLD_SIZE=1``, ``MASTER_ADDR=127.0.0.1`` and a free
-    ``MASTER_PORT`` (found by binding port 0) when unset, and ``DS_ACCELERATOR=cpu`` when unset and CUDA is
-    not available. Without them ``deepspeed.initialize`` looks for MPI and fails on ``mpi4py``. Call before
-    DeepSpeed is first imported (its accelerator is chosen at import). Variables already set (e.g. by the
-    ``deepspeed`` launcher) are left alone.
+    Sets ``RANK=0``, ``LOCAL_RANK=0``, ``WORLD_SIZE=1`` and ``MASTER_ADDR=127.0.0.1`` when unset, and
+    ``DS_ACCELERATOR=cpu`` when unset and CUDA is not available. Call before DeepSpeed is first imported (its
+    accelerator is chosen at import). Variables already set (e.g. by the ``deepspeed`` launcher or torchrun)
+    are left alone.
+
+    No ``MASTER_PORT`` is chosen: a single process needs no TCP rendezvous (``init_process_group`` gives it a
+    process group over a file in a private folder), and a port found free now can be taken by another process
+    before DeepSpeed listens on it (two training processes started together then fail with EADDRINUSE).
+    Several ranks get their rendezvous from their launcher (``flows.launch``).
 
     Returns:
         The variables this call set, name -> value.
     """
     defaults = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
-    if "MASTER_PORT" not in os.environ:
-        defaults["MASTER_PORT"] = str(_free_port())
     if not torch.cuda.is_available():
         defaults["DS_ACCELERATOR"] = "cpu"
     newly_set = {}
@@ -47,6 +45,44 @@ def init_distributed_env() -> dict[str, str]:
             os.environ[name] = value
             newly_set[name] = value
     return newly_set
+
+
+def init_process_group() -> bool:
+    """Start this process's ``torch.distributed`` group before ``deepspeed.initialize``, where it needs no peer.
+
+    With ``$WORLD_SIZE`` 1 (``init_distributed_env`` sets it where no launcher did) the group is built over a
+    ``torch.distributed.FileStore`` in a private temporary folder (removed at exit): no port is bound, so any
+    number of single-process updates started together cannot collide. DeepSpeed then adopts the group as it is
+    (``deepspeed.comm.init_distributed`` skips its own rendezvous when ``torch.distributed`` is initialised).
+    The backend is DeepSpeed's accelerator's (``gloo`` or ``ccl`` on CPU, ``nccl`` on CUDA).
+
+    With several ranks nothing is done here: DeepSpeed joins the rendezvous of the launcher's environment
+    (``MASTER_ADDR``/``MASTER_PORT``, or torchrun's agent store, which the agent holds from the start).
+
+    Returns:
+        True when this call created the group; False when one existed or the world has several ranks.
+
+    Raises:
+        ValueError: ``$WORLD_SIZE`` or ``$RANK`` is not an integer.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        return False
+    try:
+        world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    except ValueError as err:
+        raise ValueError(f"WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} / RANK={os.environ.get('RANK')!r}: both "
+                         "must be integers; unset them for one process or let the launcher set them") from err
+    if world_size != 1:
+        return False
+    from deepspeed.accelerator import get_accelerator
+
+    folder = Path(tempfile.mkdtemp(prefix="trace-process-group-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    store = dist.FileStore(str(folder / "store"), 1)
+    dist.init_process_group(get_accelerator().communication_backend_name(), store=store, rank=rank, world_size=1)
+    return True
 
 
 def deepspeed_config(update_cfg: UpdateConfig, micro_batch_size: int | None = None,

@@ -35,7 +35,7 @@ from trace.policy.weights import mark_weights_updated, weights_version
 from trace.tree import RolloutTree
 from trace.update.batch import TrainingBatch, build_training_batch, empty_micro_batch
 from trace.update.deepspeed_setup import _world_size, deepspeed_config, enable_gradient_checkpointing, \
-    init_distributed_env
+    init_distributed_env, init_process_group
 
 REFERENCE_POLICY_FILE = "reference_policy.pt"  # frozen KL reference, saved beside DeepSpeed's checkpoint
 _CLIENT_STATE_KEY = "trace_policy_updater"
@@ -72,6 +72,8 @@ class PolicyUpdater:
                  ref_model: torch.nn.Module | None = None) -> None:
         init_distributed_env()
         import deepspeed  # heavy: imported only when an updater is built
+
+        init_process_group()  # one process: a group over a private file, no port to race for
 
         self.cfg = update_cfg
         self.max_tokens = max_tokens
