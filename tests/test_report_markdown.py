@@ -172,6 +172,16 @@ def test_three_seeds_show_intervals_and_call_only_intervals_that_exclude_zero_re
     assert "| trace | 5.00 ± 0.00 | 3.50 ± 0.00 | 1.00 ± 0.00 | 2.00 ± 0.00 |" in text
 
 
+def test_the_seeds_line_names_an_arm_that_ran_other_seeds_instead_of_the_union():
+    # grpo at seeds 0, 1, 2 and trace at seed 0 only: the union "0, 1, 2 (3 runs per arm)" would claim two trace
+    # runs that never happened
+    runs = {"grpo": THREE_SEEDS["grpo"], "trace": {0: THREE_SEEDS["trace"][0]}}
+    text = render_markdown(runs, {}, 2)
+    assert "Seeds 0, 1, 2 (3 runs per arm); trace: seed 0 only: a value is the mean over an arm's seeds" in text
+    runs = {"grpo": THREE_SEEDS["grpo"], "trace": {s: THREE_SEEDS["trace"][s] for s in (1, 2)}}
+    assert "Seeds 0, 1, 2 (3 runs per arm); trace: seeds 1, 2:" in render_markdown(runs, {}, 2)
+
+
 def test_without_audit_keys_the_report_says_nothing_of_the_audit(tmp_path: Path):
     results = {"grpo": THREE_SEEDS["grpo"]}
     assert "audit" not in render_markdown(results, {}, 2).lower()
