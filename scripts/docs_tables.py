@@ -43,7 +43,8 @@ from scripts.docs_tables_benchmarks import (allocation_objectives_table, allocat
 from scripts.docs_tables_common import INDEX, RUNS, Context, DocsTableError, read_index
 from scripts.docs_tables_presets import PRESET_REPORTS, preset_table, presets_table
 from scripts.docs_tables_runs import (ABLATION_REPORTS, LEARNING_BAR, arms_table, audit_table, gain_avgk_table,
-                                      gain_table, regime_table, tokens_to_target_table, vs_grpo_table)
+                                      gain_table, overview_table, regime_table, tokens_to_target_table,
+                                      vs_grpo_table)
 
 __all__ = ["ABLATION_REPORTS", "LEARNING_BAR", "PRESET_REPORTS", "INDEX", "RUNS", "Context", "DocsTableError",
            "gain_avgk_table", "gain_table", "main", "read_index", "render", "tables", "tokens_to_target_table",
@@ -72,6 +73,7 @@ def tables() -> dict[str, Callable[[Context], str]]:
         out[f"{key}-tokens-to-target"] = lambda ctx, key=key: tokens_to_target_table(ctx, key)
         out[f"{key}-tokens-to-target-avgk"] = lambda ctx, key=key: tokens_to_target_table(ctx, key, sampled=True)
         out[f"{key}-gain-avgk"] = lambda ctx, key=key: gain_avgk_table(ctx, key)
+        out[f"{key}-overview"] = lambda ctx, key=key: overview_table(ctx, key)
     for key in PRESET_REPORTS:
         out[f"preset-{key}"] = lambda ctx, key=key: preset_table(ctx, key)
     out["allocators-on-one-budget"] = allocators_table

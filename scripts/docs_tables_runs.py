@@ -10,7 +10,7 @@ from typing import Sequence
 from scripts.docs_tables_common import ABLATION_REPORTS, Context, _diff, _finite, _missing, _num, _pm, _source, _table
 
 __all__ = ["ABLATION_REPORTS", "LEARNING_BAR", "arms_table", "audit_table", "gain_avgk_table", "gain_table",
-           "regime_table", "tokens_to_target_table", "vs_grpo_table"]
+           "overview_table", "regime_table", "tokens_to_target_table", "vs_grpo_table"]
 # The learning bar of the accuracy run: grpo's held-out gain over its warmup (docs/results.md)
 LEARNING_BAR = 0.10
 
@@ -81,10 +81,53 @@ def vs_grpo_table(ctx: Context, key: str, full: bool, ref: str = "grpo", arms: S
     rows = [[f"`{arm}`"] + [_diff(abl[arm][versus].get(c), d) for c, _, d in cols]
             for arm in _ranked(abl) if versus in abl[arm] and (arms is None or arm in arms)]
     estimators = {iv.get("estimator") for arm in abl.values() for iv in arm.get(versus, {}).values()}
-    how = ("paired by seed, 95 % t-interval" if estimators <= {None, "t"}
-           else "95 % interval: t over seeds, or a paired bootstrap over questions and seeds where the report says so")
-    note = f"Arm minus `{ref}` at the same seed ({how}); *real* only when the interval excludes 0. {_source(ctx, folder)}"
+    note = f"Arm minus `{ref}` at the same seed ({_verdict_rule(estimators, ctx)}). {_source(ctx, folder)}"
     return _table([f"arm minus `{ref}`"] + [label for _, label, _ in cols], rows) + "\n\n" + note
+
+
+def _verdict_rule(estimators: set, ctx: Context) -> str:
+    """How the tables' *real* / *within noise* was decided: the report's rule (docs/method.md, "Statistics over
+    seeds"), which for a bootstrap interval also asks the t-interval over seeds to exclude 0."""
+    if estimators <= {None, "t"}:
+        return "paired by seed, 95 % t-interval; *real* only when the interval excludes 0"
+    return ("95 % interval: t over seeds, or a paired bootstrap over questions and seeds where the report says so; "
+            "*real* only when the interval excludes 0 and, for a bootstrap interval, the t-interval over seeds "
+            "(not shown) excludes 0 too, so a bootstrap interval that excludes 0 can still be within noise: "
+            f"[the rule]({ctx.link('docs/method.md')}#statistics-over-seeds)")
+
+
+def overview_table(ctx: Context, key: str) -> str:
+    """Per arm, in the report's rank order: held-out avg@k, effective ratio and generated tokens, each with its
+    difference against ``grpo`` at the same seed and the verdict (the mean difference, *real* or *within
+    noise*; the intervals are in the ``-vs-grpo-full`` table)."""
+    folder, metrics = ctx.report(key)
+    if metrics is None:
+        return _missing(ctx, key)
+    abl = metrics["ablations"]
+    cols = [("eval mean@k", f"held-out avg@{_pass_k(abl)}", 3), ("eval greedy", "held-out greedy", 3),
+            ("effective ratio", "effective ratio", 3), ("generated tokens", "generated tokens", 0)]
+
+    def verdict(iv: dict | None, digits: int) -> str:
+        if not iv or not _finite(iv.get("mean")):
+            return ""
+        word = ("real" if iv.get("real") else "within noise") if iv.get("n", 1) > 1 else "one seed"
+        return f"{_num(iv['mean'], digits, True)} {word}"
+
+    rows = []
+    for arm in _ranked(abl):
+        row = [f"`{arm}`"]
+        for c, _, d in cols:
+            row += [_pm(abl[arm]["mean"].get(c), d), verdict(abl[arm].get("vs_grpo", {}).get(c), d)]
+        rows.append(row)
+    estimators = {iv.get("estimator") for arm in abl.values() for iv in arm.get("vs_grpo", {}).values()}
+    note = (f"{len(abl)} arms, ranked by held-out greedy accuracy (the report's order); mean over seeds "
+            f"{', '.join(s[1:] for s in sorted({s for e in abl.values() for s in _seeds(e)}, key=lambda s: int(s[1:])))}"
+            f" ± the 95 % t half-width, generated tokens the run's total. \"minus `grpo`\": the arm minus `grpo` at the "
+            f"same seed ({_verdict_rule(estimators, ctx)}). {_source(ctx, folder)}")
+    header = ["arm"]
+    for _, label, _ in cols:
+        header += [label, "minus `grpo`"]
+    return _table(header, rows, ["---"] + ["---:"] * (len(header) - 1)) + "\n\n" + note
 
 
 def regime_table(ctx: Context, key: str) -> str:
@@ -130,8 +173,9 @@ def gain_table(ctx: Context, key: str) -> str:
     if "grpo" in abl and _finite(warmup):
         g = abl["grpo"]["mean"].get("eval greedy") or {}
         met = _finite(g.get("low")) and g["mean"] - warmup >= LEARNING_BAR and g["low"] > warmup
-        bar = (f" The learning bar (`grpo`'s gain >= {LEARNING_BAR:.2f} with the interval's lower end above the "
-               f"warmup) is **{'met' if met else 'not met'}**.")
+        bar = (f" Asked of greedy accuracy, the learning bar (`grpo`'s gain >= {LEARNING_BAR:.2f} with the "
+               f"interval's lower end above the warmup) is **{'met' if met else 'not met'}** (where a report has "
+               "avg@k, the bar is asked of avg@k: its `-gain-avgk` table).")
     note = (f"Held-out greedy accuracy after RL: mean over seeds ± the 95 % t half-width; minus the warmup's "
             f"{_num(warmup)}: the same interval shifted, which leaves out the warmup evaluation's own error (the "
             f"report's `summary.md` gives `grpo`'s gain with a paired bootstrap over questions that includes it)."
@@ -172,13 +216,16 @@ def gain_avgk_table(ctx: Context, key: str) -> str:
     base_k = w.get(f"accuracy/mean@{k}", w.get(f"accuracy/mean_at_{k}"))
     g = abl.get("grpo", {}).get("vs_warmup", {}).get("eval mean@k") or {}
     met = _finite(g.get("mean")) and g["mean"] >= LEARNING_BAR and bool(g.get("real"))
+    gg = abl.get("grpo", {}).get("vs_warmup", {}).get("eval greedy") or {}
+    greedy_met = _finite(gg.get("mean")) and gg["mean"] >= LEARNING_BAR and bool(gg.get("real"))
     note = (f"After RL: mean over seeds ± the 95 % t half-width. Gain: the arm minus the warmup policy (avg@{k} "
             f"{_num(base_k)}, greedy {_num(w.get('accuracy/greedy'))}), mean with the 95 % interval of a paired "
             f"bootstrap over the held-out questions and seeds (the evaluations' own noise included) and the "
             f"t-interval over seeds; *real* only when both exclude 0. avg@{k}: the mean reward of {k} sampled "
             f"rollouts per question (DeepScaleR's avg@k, verl's mean@k); greedy: one rollout at temperature 0 "
             f"(Search-R1's exact match). The learning bar (`grpo`'s avg@{k} gain >= {LEARNING_BAR:.2f}, real) is "
-            f"**{'met' if met else 'not met'}**. " + _source(ctx, folder))
+            f"**{'met' if met else 'not met'}**; asked of greedy accuracy, as it was until an earlier run missed it "
+            f"there, it is **{'met' if greedy_met else 'not met'}**. " + _source(ctx, folder))
     return _table(["arm", f"held-out avg@{k}", f"avg@{k} minus warmup", "held-out greedy", "greedy minus warmup"],
                   rows) + "\n\n" + note
 

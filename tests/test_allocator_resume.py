@@ -56,3 +56,18 @@ def test_a_checkpoint_without_the_allocators_state_is_refused_with_the_fix(tmp_p
     path.write_text(json.dumps({**state, "allocator_state": None}))  # e.g. written before the arm kept state
     with pytest.raises(CheckpointError, match=r"holds no allocator state for the arm 'mopps'.*rm -r"):
         tiny_trainer("mopps", tmp_path / "run", SETTINGS).resume()
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda s: {"alpha": s["alpha"]}, r"lacks the key 'beta'"),  # a state cut short
+    (lambda s: {"alpha": list(s["alpha"]), "beta": s["beta"]}, r"does not hold the arm's fields"),
+])
+def test_an_allocator_state_missing_a_key_is_refused_naming_the_file_and_the_fix(tmp_path, checksum_rewards,
+                                                                                  damage, message):
+    tiny_trainer("mopps", tmp_path / "run", {**SETTINGS, "train.num_steps": 2}).run()
+    path = state_path(tmp_path / "run")
+    state = json.loads(path.read_text())
+    path.write_text(json.dumps({**state, "allocator_state": damage(state["allocator_state"])}))
+    with pytest.raises(CheckpointError, match=message) as caught:
+        tiny_trainer("mopps", tmp_path / "run", SETTINGS).resume()
+    assert str(path) in str(caught.value) and f"rm -r {tmp_path / 'run' / 'checkpoint'}" in str(caught.value)

@@ -73,6 +73,10 @@ def machine_problems(machine: object, where: str) -> list[str]:
         problems.append(f"{where}: machine.cpu_flags is not a list of flag names: {flags!r}")
     elif not flags and not (machine.get("cpu_flags_checked") or machine.get("cpu_flags_note")):
         problems.append(f"{where}: machine.cpu_flags is empty without cpu_flags_checked or a cpu_flags_note")
+    # machine_info always writes cpu_flags_checked: a record without it was filled in after the run, and says so
+    if "cpu_flags_checked" not in machine and not str(machine.get("cpu_source", "")).startswith("back-filled"):
+        problems.append(f"{where}: the CPU fields were not written by the run (no cpu_flags_checked) and "
+                        "machine.cpu_source does not say they were back-filled, and from where")
     return problems
 
 
@@ -158,6 +162,26 @@ def test_a_benchmark_report_without_cpu_model_or_flags_fails(scratch, change, pr
     path.write_text(json.dumps(report, indent=2) + "\n")
     assert any(p.startswith("orchestration.json:") and problem in p for p in benchmark_problems(scratch)), \
         benchmark_problems(scratch)
+
+
+def test_a_back_filled_cpu_record_that_does_not_say_so_fails(scratch):
+    path = scratch / "reports" / "benchmarks" / "lora_update.json"
+    report = json.loads(path.read_text())
+    assert report["machine"]["cpu_source"].startswith("back-filled") and "cpu_flags_checked" not in report["machine"]
+    report["machine"].pop("cpu_source")
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    assert any(p.startswith("lora_update.json:") and "does not say they were back-filled" in p
+               for p in benchmark_problems(scratch)), benchmark_problems(scratch)
+
+
+def test_a_run_readme_does_not_take_its_cpu_time_or_load_from_the_docs():
+    """The docs quote the run folders; a folder that cites the docs for its own CPU, time or load cites itself."""
+    cited = []
+    for readme in sorted((REPO / "reports" / "runs").glob("*/README.md")):
+        for line in readme.read_text().split("\n- "):
+            if re.match(r"(CPU|Time|Load):", line) and re.search(r"docs/(results|benchmarks)\.md", line):
+                cited.append(f"{readme.parent.name}: {line.splitlines()[0]}")
+    assert not cited, cited
 
 
 def test_a_summary_listing_a_missing_report_fails(scratch):

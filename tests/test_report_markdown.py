@@ -10,7 +10,7 @@ import pytest
 from trace.reporting.report import TABLE_SUMMARY_KEYS, arm_statistics, regime_summary
 from trace.reporting.report_markdown import render_markdown
 from trace.reporting.report_json import metrics_table
-from trace.reporting.report_plots import AUDIT_PLOT, PLOTS, PROBE_PLOT, write_plots
+from trace.reporting.report_plots import AUDIT_PLOT, PLOTS, PROBE_PLOT, measured_points, plot_band, write_plots
 from trace.tracking.names import SUMMARY_METRIC_NAMES
 
 # one seed: trace and grpo tie on held-out accuracy (0.400); trace ranks first on effective ratio (0.9 > 0.6);
@@ -172,6 +172,16 @@ def test_three_seeds_show_intervals_and_call_only_intervals_that_exclude_zero_re
     assert "| trace | 5.00 ± 0.00 | 3.50 ± 0.00 | 1.00 ± 0.00 | 2.00 ± 0.00 |" in text
 
 
+def test_the_seeds_line_names_an_arm_that_ran_other_seeds_instead_of_the_union():
+    # grpo at seeds 0, 1, 2 and trace at seed 0 only: the union "0, 1, 2 (3 runs per arm)" would claim two trace
+    # runs that never happened
+    runs = {"grpo": THREE_SEEDS["grpo"], "trace": {0: THREE_SEEDS["trace"][0]}}
+    text = render_markdown(runs, {}, 2)
+    assert "Seeds 0, 1, 2 (3 runs per arm); trace: seed 0 only: a value is the mean over an arm's seeds" in text
+    runs = {"grpo": THREE_SEEDS["grpo"], "trace": {s: THREE_SEEDS["trace"][s] for s in (1, 2)}}
+    assert "Seeds 0, 1, 2 (3 runs per arm); trace: seeds 1, 2:" in render_markdown(runs, {}, 2)
+
+
 def test_without_audit_keys_the_report_says_nothing_of_the_audit(tmp_path: Path):
     results = {"grpo": THREE_SEEDS["grpo"]}
     assert "audit" not in render_markdown(results, {}, 2).lower()
@@ -235,3 +245,42 @@ def test_the_summary_states_each_arms_probe_gain_at_its_last_evaluation():
     text = render_markdown(runs, {}, 2)
     assert "## Probe" in text and "| grpo | +0.060 [+0.035, +0.085] | real |" in text
     assert "## Probe" not in render_markdown(THREE_SEEDS, {}, 2)  # no run probed
+
+
+def test_measured_points_are_the_seeds_means_at_the_logged_steps_only():
+    # grpo's accuracy at steps 0, 1, 2 for seeds 0-2: (0.1, 0.1, 0.1), (0.2, 0.2, 0.4), (0.4, 0.3, 0.35); the
+    # tokens 100, 200, 300 at every seed
+    points = measured_points(THREE_SEEDS["grpo"], "accuracy/eval", "tokens/cumulative")
+    assert [step for step, _, _ in points] == [0, 1, 2]
+    assert [x.mean for _, x, _ in points] == pytest.approx([100.0, 200.0, 300.0])
+    assert [y.mean for _, _, y in points] == pytest.approx([0.1, 0.8 / 3, 0.35])
+    # a seed that did not evaluate at step 1: that point is the mean over the two seeds that did
+    runs = {seed: {**res, "history": {**res["history"],
+                                       "accuracy/eval": [p for p in res["history"]["accuracy/eval"]
+                                                         if seed != 2 or p[0] != 1]}}
+            for seed, res in THREE_SEEDS["grpo"].items()}
+    points = measured_points(runs, "accuracy/eval", "tokens/cumulative")
+    assert points[1][2].mean == pytest.approx(0.2) and points[1][2].n == 2
+
+
+def test_the_accuracy_plot_draws_one_marker_per_evaluation_and_no_interpolated_point(tmp_path, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    drawn = {}
+    savefig = Figure.savefig
+
+    def spy(self, *args, **kwargs):
+        for ax in self.axes:  # a plain line, or an errorbar's data line (its container holds the label)
+            drawn.update({line.get_label(): (list(line.get_xdata()), line.get_marker())
+                          for line in ax.get_lines() if line.get_label() in THREE_SEEDS})
+            drawn.update({c.get_label(): (list(c.lines[0].get_xdata()), c.lines[0].get_marker())
+                          for c in ax.containers if c.get_label() in THREE_SEEDS and c.lines[0] is not None})
+        return savefig(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", spy)
+    plot_band(THREE_SEEDS, "accuracy/eval", "held-out greedy accuracy", tmp_path / "a.png", x_key="tokens/cumulative")
+    # three evaluations per seed: three points per arm, each with a marker, none between them
+    assert drawn == {arm: ([100.0, 200.0, 300.0], "o") for arm in THREE_SEEDS}

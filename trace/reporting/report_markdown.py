@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
-from trace.reporting.report import AUDIT_KEYS, BASELINE, CONFIDENCE, PAIRED_COLUMNS, arm_statistics, regime_summary, seeds_of
+from trace.reporting.report import AUDIT_KEYS, BASELINE, CONFIDENCE, PAIRED_COLUMNS, arm_statistics, regime_summary
 from trace.reporting.statistics import BOOTSTRAP, BOOTSTRAP_RESAMPLES, Interval
 
 
@@ -81,12 +81,28 @@ def verdict(iv: Interval) -> str:
     return "real" if iv.excludes_zero else "within noise"
 
 
-def _seeds_line(seeds: list[int], confidence: float) -> str:
-    if len(seeds) == 1:
-        return (f"Seed {seeds[0]} only: one seed, no interval (run more with "
+def _seed_list(seeds: Sequence[int]) -> str:
+    return f"seed {seeds[0]} only" if len(seeds) == 1 else f"seeds {', '.join(map(str, seeds))}"
+
+
+def _seeds_line(results: dict, confidence: float) -> str:
+    """The report's sentence on seeds: the seeds most arms ran, and each arm that ran other seeds by name (a
+    union of all arms' seeds would claim runs an arm never had)."""
+    by_arm = {arm: tuple(sorted(by_seed)) for arm, by_seed in results.items() if by_seed}
+    if not by_arm:
+        return "No runs."
+    kinds = sorted(set(by_arm.values()), key=lambda s: (-list(by_arm.values()).count(s), -len(s), s))
+    common, others = kinds[0], [(arm, s) for arm, s in by_arm.items() if s != kinds[0]]
+    if not others and len(common) == 1:
+        return (f"Seed {common[0]} only: one seed, no interval (run more with "
                 "`dvc exp run -S 'train.seeds=[0,1,2]'`).")
-    return (f"Seeds {', '.join(map(str, seeds))} ({len(seeds)} runs per arm): a value is the mean over seeds "
-            f"± the half-width of its {confidence:.0%} t-interval.")
+    head = f"Seeds {', '.join(map(str, common))} ({len(common)} runs per arm)" if len(common) > 1 else \
+        f"Seed {common[0]} only (1 run per arm)"
+    if not others:
+        return f"{head}: a value is the mean over seeds ± the half-width of its {confidence:.0%} t-interval."
+    return (head + "; " + "; ".join(f"{arm}: {_seed_list(s)}" for arm, s in others) + ": a value is the mean "
+            f"over an arm's seeds ± the half-width of its {confidence:.0%} t-interval (an arm of one seed has "
+            "no interval).")
 
 
 def _estimators_line(arms: dict, paired: list[str], confidence: float) -> str:
@@ -130,7 +146,7 @@ def render_markdown(results: dict, warmup: dict, pass_k: int, links: dict[str, s
     columns = list(next(iter(arms.values()))["columns"]) if arms else []
     regime = {**regime_summary(results, warmup, num_eval, confidence, warmup_questions, pass_k), "pass_k": pass_k}
     lines = ["# Ablation report", "", *_regime_lines(regime),
-             _seeds_line(seeds_of(results), confidence) if results else "No runs.", "",
+             _seeds_line(results, confidence), "",
              "Ranked by mean held-out greedy accuracy after RL (ties: effective ratio). Training columns are "
              "means over steps;", "every arm samples the same number of trajectories per step.", "",
              f"| rank | ablation | eval greedy | eval mean@{pass_k} | eval pass@{pass_k} | effective ratio | "

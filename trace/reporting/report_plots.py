@@ -1,8 +1,10 @@
-"""The report's PNGs: per-arm curves over training seeds, the mean with its pointwise 95 % t-interval band.
+"""The report's PNGs: per-arm curves over training seeds, the mean with its 95 % t-interval, at measured points only.
 
-Per-step metrics are plotted against the training step; held-out accuracy against cumulative generated
-tokens and against cumulative trajectories, each seed's curve linearly interpolated onto a grid all seeds
-cover (``trace.reporting.statistics.common_grid``, ``curve_band``). With one seed a curve has no band. ``audit.png``
+Per-step metrics are plotted against the training step (a line through every logged step, with its band);
+held-out accuracy, measured at the in-training evaluations only, against cumulative generated tokens and
+against cumulative trajectories as one marker per evaluation (the seeds' mean x and y, their t-intervals as
+error bars) joined by straight lines: nothing is interpolated onto steps that were not measured
+(``measured_points``). With one seed a point has no interval. ``audit.png``
 (forecast against realised mixed groups and flips per arm) is drawn only when some train run logged the
 allocation audit's keys, and the avg@k curves (``avgk_vs_steps.png``, ``avgk_vs_tokens.png``) only when some run
 logged ``accuracy/eval_sampled``; each is removed otherwise so that no stale plot is left beside the report.
@@ -14,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from trace.reporting.report import AUDIT_KEYS, CONFIDENCE, accuracy_curve, arm_statistics
-from trace.tracking.names import EVAL_ACCURACY, EVAL_SAMPLED_ACCURACY
-from trace.reporting.statistics import common_grid, curve_band
+from trace.reporting.report import AUDIT_KEYS, CONFIDENCE, arm_statistics
+from trace.reporting.statistics import Interval, mean_interval
+from trace.tracking.names import EVAL_SAMPLED_ACCURACY
 
 # plot file -> (step metric, y label, x metric or None for the training step)
 PLOTS: dict[str, tuple[str, str, str | None]] = {
@@ -39,26 +41,43 @@ X_LABELS = {None: "training step", "tokens/cumulative": "cumulative generated to
             "rollout/cumulative_trajectories": "cumulative trajectories"}
 
 
-def _curves(by_seed: dict, key: str, x_key: str | None) -> list[tuple[list[float], list[float]]]:
-    curves = []
+def measured_points(by_seed: dict, key: str, x_key: str | None,
+                    confidence: float = CONFIDENCE) -> list[tuple[int, Interval, Interval]]:
+    """One arm's measured points of ``key``: per logged step, the seeds' x and y as mean and t-interval.
+
+    No point is interpolated: a step is a point when at least one seed logged ``key`` there (and ``x_key``,
+    unless the x axis is the step itself), and its mean and interval are over the seeds that did.
+
+    Args:
+        by_seed: ``{seed: run}`` of one arm (``trace.reporting.report.collect_results``).
+        key: the y step metric.
+        x_key: the x step metric (``tokens/cumulative``, ...), or None for the training step.
+        confidence: the intervals' coverage in (0, 1).
+
+    Returns:
+        ``(step, x, y)`` per measured step in step order; ``x`` and ``y`` are ``Interval``s over the seeds
+        (no bounds with one seed; ``x`` of the step axis is the step itself).
+    """
+    by_step: dict[int, list[tuple[float, float]]] = {}
     for res in by_seed.values():
-        if x_key is None:
-            pts = res["history"].get(key) or []
-            xs, ys = [float(s) for s, _ in pts], [v for _, v in pts]
-        elif key in (EVAL_ACCURACY, EVAL_SAMPLED_ACCURACY):
-            xs, ys = accuracy_curve(res, x_key, key)
-        else:
-            xs_by_step = dict(res["history"].get(x_key) or [])
-            pts = [(xs_by_step[s], v) for s, v in res["history"].get(key) or [] if s in xs_by_step]
-            xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-        if xs:
-            curves.append((xs, ys))
-    return curves
+        history = res["history"]
+        xs_by_step = None if x_key is None else dict(history.get(x_key) or [])
+        for step, value in history.get(key) or []:
+            if xs_by_step is None:
+                by_step.setdefault(int(step), []).append((float(step), float(value)))
+            elif step in xs_by_step:
+                by_step.setdefault(int(step), []).append((float(xs_by_step[step]), float(value)))
+    return [(step, mean_interval([x for x, _ in pts], confidence), mean_interval([y for _, y in pts], confidence))
+            for step, pts in sorted(by_step.items())]
 
 
-def plot_band(results: dict, key: str, ylabel: str, path: str | Path, x_key: str | None = None,
-              num: int = 50) -> None:
-    """One PNG of ``key`` per arm: the mean over seeds and its band, against the step or step metric ``x_key``.
+def plot_band(results: dict, key: str, ylabel: str, path: str | Path, x_key: str | None = None) -> None:
+    """One PNG of ``key`` per arm: the mean over seeds at each measured step and its t-interval.
+
+    Only measured points are drawn (``measured_points``): against the training step a line through every
+    logged step with its band; against a step metric ``x_key`` (tokens, trajectories; logged at the
+    evaluations only) a marker at each evaluation, the seeds' mean x and y with their intervals as error bars,
+    joined by a straight line.
 
     Args:
         results: ``trace.reporting.report.collect_results`` output (``{arm: {seed: run}}``).
@@ -66,7 +85,6 @@ def plot_band(results: dict, key: str, ylabel: str, path: str | Path, x_key: str
         ylabel: the y-axis label.
         path: the PNG written (110 dpi).
         x_key: the x-axis step metric, or None for the training step.
-        num: grid points of an x metric (the training step's grid is the logged steps).
     """
     import matplotlib
 
@@ -75,19 +93,19 @@ def plot_band(results: dict, key: str, ylabel: str, path: str | Path, x_key: str
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for abl, by_seed in results.items():
-        curves = _curves(by_seed, key, x_key)
-        if not curves:
+        points = measured_points(by_seed, key, x_key)
+        if not points:
             continue
+        xs = np.array([x.mean for _, x, _ in points])
+        ys, low, high = (np.array([getattr(y, f) for _, _, y in points]) for f in ("mean", "low", "high"))
         if x_key is None:
-            grid = np.array(sorted({x for xs, _ in curves for x in xs}))
-        else:
-            grid = common_grid(curves, num)
-            if grid.size == 0:
-                continue
-        mean, low, high = curve_band(curves, grid, CONFIDENCE)
-        (line,) = ax.plot(grid, mean, marker="o" if x_key else None, ms=3, lw=1.2, label=abl)
-        if np.isfinite(low).any():
-            ax.fill_between(grid, low, high, color=line.get_color(), alpha=0.18, lw=0)
+            (line,) = ax.plot(xs, ys, lw=1.2, label=abl)
+            if np.isfinite(low).any():
+                ax.fill_between(xs, low, high, color=line.get_color(), alpha=0.18, lw=0)
+            continue
+        yerr = np.nan_to_num(np.array([[y.mean - y.low, y.high - y.mean] for _, _, y in points]).T)
+        xerr = np.nan_to_num(np.array([[x.mean - x.low, x.high - x.mean] for _, x, _ in points]).T)
+        ax.errorbar(xs, ys, yerr=yerr, xerr=xerr, marker="o", ms=4, lw=1.2, capsize=2, elinewidth=0.8, label=abl)
     ax.set_xlabel(X_LABELS.get(x_key, x_key))
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)

@@ -33,7 +33,7 @@ from trace.allocation.arms import get_arm, make_allocator_state
 from trace.allocation.samplers import PolicySampler
 from trace.allocation.step import allocate_step
 from trace.reporting.audit import audit_metrics
-from trace.training.checkpoint import CheckpointError, load_checkpoint, write_checkpoint
+from trace.training.checkpoint import CheckpointError, load_checkpoint, state_path, write_checkpoint
 from trace.configuration.config import Config
 from trace.envs.base import Environment, Prompt
 from trace.training.evaluation import MetricsFn, evaluate_policy, success_rates
@@ -121,6 +121,11 @@ class Trainer:
 
         A checkpoint of other params (a changed config other than ``train.num_steps``) is discarded and
         training starts at step 0; a checkpoint past ``train.num_steps`` runs nothing more.
+
+        Raises:
+            CheckpointError: the checkpoint cannot be read (``load_checkpoint``), or the arm keeps an allocator
+                state and the checkpoint's is missing or lacks a key the allocator reads (names the state file,
+                the key and the folder to delete).
         """
         state = load_checkpoint(self.run_dir, updater=self.updater, predictor=self.predictor,
                                 params_hash=self.cfg.resume_hash(), ablation=self.ablation)
@@ -136,7 +141,14 @@ class Trainer:
                 raise CheckpointError(f"the checkpoint of {self.run_dir} holds no allocator state for the arm "
                                       f"{self.ablation!r}, whose root rule keeps one; delete its folder to train "
                                       f"from step 0: rm -r {self.run_dir / 'checkpoint'}")
-            self.allocator_state.load_state_dict(state["allocator_state"])
+            try:
+                self.allocator_state.load_state_dict(state["allocator_state"])
+            except (KeyError, ValueError, TypeError, AttributeError) as err:
+                what = f"lacks the key {err.args[0]!r}" if isinstance(err, KeyError) and err.args else \
+                    f"does not hold the arm's fields ({type(err).__name__}: {err})"
+                raise CheckpointError(f"the allocator state in {state_path(self.run_dir)} (arm {self.ablation!r}) "
+                                      f"{what}; the checkpoint is damaged or was written by other code. Delete "
+                                      f"its folder to train from step 0: rm -r {self.run_dir / 'checkpoint'}") from err
         self.probe_initial = next((float(h["probe/initial"]) for h in self.history if "probe/initial" in h), None)
         return self.next_step
 
