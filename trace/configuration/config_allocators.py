@@ -71,10 +71,17 @@ class VipConfig(Section):
     gamma: float = Field(0.0007, ge=0, description="weight of the cost term b_i = gamma log p_i (RLOO form)")
     n_max: int = Field(32, ge=2, description="most rollouts of one prompt")
     n_drop: int = Field(4, ge=2, description="after flooring, prompts with fewer rollouts than this leave the batch")
-    length_scale: float = Field(0.27, gt=0, description="RBF kernel length scale over unit-norm embeddings")
+    features: Literal["minilm", "hashed"] = Field(
+        "minilm", description="question features: all-MiniLM-L6-v2 embeddings (the original's) or hashed word "
+        "uni/bigrams (no model)")
+    length_scale: float = Field(0.4, gt=0, description="RBF kernel length scale over unit-norm features (the "
+                                "original's code: 0.4 in one version, 0.27 in another; benchmarks/vip_kernel.py)")
     noise: float = Field(1e-4, gt=0, description="observation noise (jitter) of the GP, logit units squared")
-    prior_logit: float = Field(-5.0, description="prior mean logit of a prompt never forecast before")
-    embedding_dim: int = Field(256, ge=8, description="features of the hashed word uni/bigram embedding")
+    prior_logit: float = Field(-5.0, description="prior mean logit of every prompt before any observation")
+    embedding_dim: int = Field(256, ge=8, description="features of the hashed word uni/bigram embedding (hashed)")
+    rounding: Literal["surrogate", "exact"] = Field(
+        "surrogate", description="the rollouts left after flooring: by the surrogate a (n + 3) / (n + 4)^2, then "
+        "counts below n_drop to the largest (the original's), or by the exact objective")
     p_clip: float = Field(1e-6, gt=0, lt=0.5,
                           description="observed rates and forecasts are clipped to [this, 1 - this]")
 
