@@ -27,8 +27,8 @@ class ReinforceAdaConfig(Section):
         "balanced", description="retire a prompt at >= n // 2 positives and n - n // 2 negatives, n = keep "
         "(balanced), or at its first positive (positive_focused)")
     positive_threshold: float = Field(0.7, description="a sample is positive when its reward is > this")
-    keep: Optional[int] = Field(None, ge=2, description="n of the balanced exit (keep // 2 positives, the rest "
-                                "negatives); None = allocation.group_size (the original's script keeps 4)")
+    keep: Optional[int] = Field(4, ge=2, description="n of the balanced exit (keep // 2 positives, the rest "
+                                "negatives): 4, the original's script (2 + 2); None = allocation.group_size")
     initial_prompts: Optional[int] = Field(
         None, ge=1, description="prompts of round 1; None = trajectory_budget // (2 * round_repeat): round 1 spends "
         "half the budget, the later rounds the rest")
