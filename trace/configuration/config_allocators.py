@@ -48,6 +48,9 @@ class GresoConfig(Section):
     target_zero_variance: float = Field(0.25, ge=0, le=1, description="wanted share of zero-variance groups")
     easy_share: float = Field(1 / 3, ge=0, le=1, description="part of that share wanted all-correct (the rest "
                               "all-wrong)")
+    adapt_after_first_epoch: bool = Field(
+        True, description="move p_easy / p_hard only once the candidates start their second pass over the training "
+        "prompts (the original's epoch > 0); false: from the first step")
 
     @model_validator(mode="after")
     def _check(self) -> "GresoConfig":
