@@ -124,7 +124,16 @@ def minilm_features(texts: Sequence[str]) -> np.ndarray:
 
 
 def rbf_kernel(x: np.ndarray, y: np.ndarray, length_scale: float) -> np.ndarray:
-    """(N, M) float64 ``exp(-|x_i - y_j|^2 / (2 length_scale^2))`` of (N, D) and (M, D) features."""
+    """The RBF kernel between two sets of features (the original's ``kernel_rbf`` over Euclidean distances).
+
+    Args:
+        x: (N, D) float64 features.
+        y: (M, D) float64 features.
+        length_scale: ``l`` (> 0), in feature units.
+
+    Returns:
+        (N, M) float64 ``exp(-|x_i - y_j|^2 / (2 l^2))``, in ``(0, 1]``.
+    """
     d2 = np.maximum((x * x).sum(1)[:, None] + (y * y).sum(1)[None, :] - 2.0 * x @ y.T, 0.0)
     return np.exp(-0.5 * d2 / length_scale ** 2)
 
