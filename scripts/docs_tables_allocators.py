@@ -13,13 +13,14 @@ ALLOCATORS = {
                       "8 to 32 rollouts per prompt in rounds of 8, trains on 4 kept per prompt",
                       "faster convergence and higher final accuracy than GRPO on math reasoning"),
     "greso": ("GRESO (arXiv 2506.02177)", "per prompt its run of agreed groups; two skip probabilities",
-              "n per prompt kept by a pre-rollout skip; batches drawn until the batch is full",
+              "n per prompt kept by a pre-rollout skip, on dynamic sampling (zero-variance groups dropped, "
+              "batches drawn until the batch is full)",
               "up to 2.4x faster rollout and 2.0x faster training without accuracy loss"),
     "mopps": ("MoPPS (arXiv 2507.04632)", "per prompt a Beta posterior of its success",
               "B groups of n chosen from ts_ratio x B candidates (8-16)",
               "predicts prompt difficulty online; faster training with far fewer rollouts"),
-    "vip": ("VIP (arXiv 2602.01601)", "the last step's per-prompt success; each prompt's last forecast",
-            "a fixed budget over the batch, 0 or 4 to 32 per prompt",
+    "vip": ("VIP (arXiv 2602.01601)", "a GP mean of every prompt's success, corrected by every step's observations",
+            "its batch_budget over the batch (2048 over 256 prompts), 0 or 4 to 32 per prompt",
             "better sampling efficiency and accuracy than uniform or heuristic allocation"),
 }
 

@@ -54,8 +54,9 @@ def test_observe_counts_streaks_and_moves_each_probability_toward_its_target():
         a (3, 0), c (0, 0): keep a 0.47^3 = 0.103823, b 0.49^2 = 0.2401, c 1.
     step 4: 8 groups, a hard, b easy, the rest mixed: a (3, 0) -> (0, 1), b (0, 2) -> (1, 0);
         easy 1/8 = 0.125 >= 0.0833: p_easy 0.46; hard 0.125 < 0.1667: p_hard up 0.50.
+    (The gate of the first epoch off: ``test_the_probabilities_stay_put_through_the_first_epoch`` tests it.)
     """
-    state = GresoState()
+    state = GresoState(greso_config(adapt_after_first_epoch=False))
     metrics = state.observe(["a", "b", "c", "d"], [np.ones(4), np.array([0.1, 0.1, 0.0, 0.1]),
                                                    np.array([1.0, 0.0, 1.0, 0.0]), np.array([1.0, 1.0, 1.0, 0.95])])
     assert state.streaks == {"a": (1, 0), "b": (0, 1), "c": (0, 0), "d": (1, 0)}
@@ -80,7 +81,7 @@ def test_observe_counts_streaks_and_moves_each_probability_toward_its_target():
 def test_a_share_at_its_target_moves_the_probability_down():
     """target_zero_variance 0.5, easy_share 0.5: both targets 0.25. 1 easy and 1 hard of 4 groups: both shares are
     0.25, at the target: both probabilities down, 0.5 - 0.01 = 0.49."""
-    state = GresoState(greso_config(target_zero_variance=0.5, easy_share=0.5))
+    state = GresoState(greso_config(target_zero_variance=0.5, easy_share=0.5, adapt_after_first_epoch=False))
     metrics = state.observe(list("abcd"), [np.ones(2), np.zeros(2), np.array([0.0, 1.0]), np.array([1.0, 0.0])])
     assert metrics == pytest.approx({"greso/p_easy": 0.49, "greso/p_hard": 0.49})
 
@@ -93,7 +94,7 @@ def test_observing_no_groups_leaves_the_probabilities_alone():
 def test_the_probabilities_are_clipped_to_p_min_and_p_max():
     """p_step 0.3: p_easy 0.9 + 0.3 = 1.2 -> p_max 0.95 (no easy group); p_hard 0.1 - 0.3 = -0.2 -> p_min 0.05
     (hard share 1 >= 0.1667)."""
-    state = GresoState(greso_config(p_easy=0.9, p_hard=0.1, p_step=0.3))
+    state = GresoState(greso_config(p_easy=0.9, p_hard=0.1, p_step=0.3, adapt_after_first_epoch=False))
     state.observe(["a"], [np.zeros(3)])
     assert (state.p_easy, state.p_hard) == (0.95, 0.05)
 
@@ -102,8 +103,34 @@ def test_keep_probability_is_the_streak_power_with_a_floor():
     """p_easy 0.5, p_hard 0.4, keep_floor 0.01: a 0.5^7 = 0.0078 -> 0.01; b 0.4^2 = 0.16; c 1; d 0.5; e 1."""
     state = GresoState()
     state.load_state_dict({"p_easy": 0.5, "p_hard": 0.4, "streaks": {"a": [7, 0], "b": [0, 2], "c": [0, 0],
-                                                                     "d": [1, 0]}})
+                                                                     "d": [1, 0]}, "seen": [], "past_first_epoch": True})
     assert state.keep_probability(["a", "b", "c", "d", "e"]) == pytest.approx([0.01, 0.16, 1.0, 0.5, 1.0])
+
+
+def test_the_probabilities_stay_put_through_the_first_epoch():
+    """The original adapts only when epoch > 0. Pool of 5 prompts, 2 candidates a step
+    (``candidate_indices``): steps 0 and 1 draw 4 distinct prompts; step 2 holds the last prompt of the first
+    permutation and the first of the second, a repeat: the second epoch starts there (ceil(5 / 2) - 1 = 2).
+    Every step observes one easy and one hard group (shares 1/2 each, both >= their targets): no move at steps 0
+    and 1, then both 0.5 - 0.01 = 0.49 at step 2, 0.48 at step 3."""
+    from trace.training.seeding import candidate_indices
+
+    state = GresoState()
+    moves = []
+    for step in range(4):
+        uids = [f"q{i}" for i in candidate_indices(5, 2, 0, step)]
+        state.see_candidates(uids)
+        moves.append(state.observe(uids, [np.ones(4), np.zeros(4)])["greso/p_easy"])
+    assert moves == pytest.approx([0.5, 0.5, 0.49, 0.48])
+    assert state.streaks["q" + str(candidate_indices(5, 2, 0, 0)[0])][0] >= 1  # the streaks ran from step 0
+    # without the gate, from the first step
+    ungated = GresoState(greso_config(adapt_after_first_epoch=False))
+    assert ungated.observe(["q0", "q1"], [np.ones(4), np.zeros(4)])["greso/p_easy"] == pytest.approx(0.49)
+
+
+def test_a_state_without_one_of_its_keys_is_refused_naming_it():
+    with pytest.raises(ValueError, match="lacks 'past_first_epoch'"):
+        GresoState().load_state_dict({"p_easy": 0.5, "p_hard": 0.5, "streaks": {}, "seen": []})
 
 
 def plan(state, uniforms, budget, group_size=4):
@@ -138,7 +165,7 @@ def test_kept_candidates_come_first_in_candidate_order_and_skipped_ones_fill(bud
     """
     state = GresoState()
     state.load_state_dict({"p_easy": 0.5, "p_hard": 0.4, "streaks": {"a": [7, 0], "b": [0, 2], "c": [0, 0],
-                                                                     "d": [1, 0]}})
+                                                                     "d": [1, 0]}, "seen": [], "past_first_epoch": True})
     decision, purposes = plan(state, [0.5, 0.1, 0.99, 0.5, 0.2], budget)
     assert purposes == ["greso"]
     assert decision.counts.tolist() == counts and decision.counts.dtype == np.int64

@@ -53,8 +53,11 @@ class ScriptedPrompts:
             self._draw(tree, self.candidate_of[id(tree)], int(k), Origin.BRANCH, 0)
 
 
-def run_rule(scripts, budget, *, group_size=2, **settings_):
-    """The rule on ``len(scripts)`` candidates with ``allocation.reinforce_ada`` = ``settings_``."""
+def run_rule(scripts, budget, *, group_size=2, default_keep=False, **settings_):
+    """The rule on ``len(scripts)`` candidates with ``allocation.reinforce_ada`` = ``settings_``; ``keep`` unset is
+    None (the exit's n is ``group_size``) unless ``default_keep``, which leaves the config's default."""
+    if not default_keep:
+        settings_.setdefault("keep", None)
     prompts = ScriptedPrompts(scripts)
     acfg = AllocationConfig(trajectory_budget=max(budget, 4), group_size=group_size,
                             reinforce_ada=ReinforceAdaConfig(**settings_))
@@ -196,6 +199,18 @@ def test_every_step_samples_exactly_the_trajectory_budget_as_bare_rollouts(
     for tree in result.sampled_trees:
         assert all(n.origin in (Origin.PROMPT, Origin.ROLLOUT) and n.branch_anchor_id == -1 for n in tree.nodes)
         assert tree.root.num_branches == tree.num_trajectories()
+
+
+def test_by_default_a_prompt_retires_at_two_positives_and_two_negatives():
+    # the original's exit (keep 4 in its script): budget 16, 8 a round, one prompt first (initial 16 // 16 = 1):
+    # p0 draws 2 positives and 6 negatives in round 1, enough for 2 + 2: retired, so p1 enters with the other 8.
+    # keep = None (n = group_size = 8) would want 4 + 4 and give p0 round 2 instead (the next test).
+    assert ReinforceAdaConfig().keep == 4
+    scripts = [[1.0, 1.0] + [0.0] * 14, [0.0] * 8]
+    by_default, calls = run_rule(scripts, 16, group_size=8, round_repeat=8, default_keep=True)
+    assert by_default.counts.tolist() == [8, 8] and calls[1] == ("groups", "ada1", [1], 8)
+    # 1 positive + 7 negatives is not enough
+    assert not is_retired(np.array([1.0] + [0.0] * 7), ReinforceAdaConfig().keep, "balanced", 0.7)
 
 
 def test_keep_sets_the_balanced_exit_apart_from_the_group_size():

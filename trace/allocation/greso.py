@@ -13,10 +13,19 @@ uniform draw per candidate (``rng_for("greso")``). The kept candidates, in candi
 rest in candidate order (the original draws further batches of prompts until the batch is full; here the step's
 candidates are the pool), so the step spends exactly its budget.
 
-After the step, ``p_easy`` moves by ``p_step`` toward the target share of all-correct groups among those
+After the step, once the run is past its first epoch (``adapt_after_first_epoch``, default true, as the
+original's ``epoch > 0``), ``p_easy`` moves by ``p_step`` toward the target share of all-correct groups among those
 sampled (``target_zero_variance x easy_share``): down (skip more) when the observed share is at or above it, up
 otherwise; ``p_hard`` likewise with ``target_zero_variance x (1 - easy_share)``; both clipped to
-``[p_min, p_max]``.
+``[p_min, p_max]``. An epoch is one pass of the candidates over the training prompts
+(``trace.training.seeding.candidate_indices`` draws each epoch as a permutation of the pool, ``B`` a step): the
+first step whose candidates include a prompt that was a candidate before starts the second epoch (step
+``ceil(P / B) - 1`` or ``P / B``, ``P`` prompts), so the state needs no pool size. The streaks are kept from the
+first step (no prompt recurs within the first epoch, so nothing is skipped there either way).
+
+The original runs on a dynamic-sampling base (DAPO's: zero-variance groups are dropped after rollout and
+further prompts drawn until the batch is full); here the arm trains on every group it sampled, as every other
+arm does, so GRESO's effect is its pre-rollout skip alone.
 
 References:
     Li et al., "Act Only When It Pays: Efficient Reinforcement Learning for LLM Reasoning via Selective
@@ -71,6 +80,17 @@ class GresoState:
         self.p_easy = float(self.settings.p_easy)
         self.p_hard = float(self.settings.p_hard)
         self.streaks: dict[str, tuple[int, int]] = {}  # prompt id -> (z_easy, z_hard)
+        self.seen: set[str] = set()  # candidates of the first epoch so far (emptied once it ends)
+        self.past_first_epoch = False
+
+    def see_candidates(self, prompt_uids: Sequence[str]) -> None:
+        """Record a step's candidates; the first repeat of a candidate marks the start of the second epoch."""
+        if self.past_first_epoch:
+            return
+        if any(uid in self.seen for uid in prompt_uids):
+            self.past_first_epoch, self.seen = True, set()
+        else:
+            self.seen.update(prompt_uids)
 
     def keep_probability(self, prompt_uids: Sequence[str]) -> np.ndarray:
         """(B,) float64 probability that each prompt is sampled this step, ``max(p_easy ** z_easy * p_hard **
@@ -83,7 +103,8 @@ class GresoState:
 
     def observe(self, prompt_uids: Sequence[str], rewards: Sequence[np.ndarray],
                 prompt_texts: Sequence[str] = ()) -> dict[str, float]:
-        """Extend each sampled prompt's streak, then move ``p_easy`` and ``p_hard`` toward their targets.
+        """Extend each sampled prompt's streak, then (past the first epoch, by default) move ``p_easy`` and
+        ``p_hard`` toward their targets.
 
         Args:
             prompt_uids: one id per sampled tree.
@@ -99,7 +120,7 @@ class GresoState:
             z_easy, z_hard = self.streaks.get(uid, (0, 0))
             self.streaks[uid] = ((z_easy + 1, 0) if outcome == "easy" else (0, z_hard + 1) if outcome == "hard"
                                  else (0, 0))
-        if outcomes:
+        if outcomes and (self.past_first_epoch or not s.adapt_after_first_epoch):
             easy = outcomes.count("easy") / len(outcomes)
             hard = outcomes.count("hard") / len(outcomes)
             target_easy = s.target_zero_variance * s.easy_share
@@ -112,12 +133,23 @@ class GresoState:
 
     def state_dict(self) -> dict:
         return {"p_easy": self.p_easy, "p_hard": self.p_hard,
-                "streaks": {uid: list(z) for uid, z in self.streaks.items()}}
+                "streaks": {uid: list(z) for uid, z in self.streaks.items()},
+                "seen": sorted(self.seen), "past_first_epoch": self.past_first_epoch}
 
     def load_state_dict(self, state: Mapping) -> None:
-        """Restore ``state_dict()``'s output; a dict without its keys raises ``KeyError``."""
+        """Restore ``state_dict()``'s output.
+
+        Raises:
+            ValueError: a key of ``state_dict()`` is missing (a checkpoint of an older ``greso`` state), naming it.
+        """
+        for key in ("p_easy", "p_hard", "streaks", "seen", "past_first_epoch"):
+            if key not in state:
+                raise ValueError(f"the greso allocator state lacks {key!r} (it has {sorted(state)}): it was saved "
+                                 "by an older greso state; start the run afresh")
         self.p_easy, self.p_hard = float(state["p_easy"]), float(state["p_hard"])
         self.streaks = {str(uid): (int(z[0]), int(z[1])) for uid, z in state["streaks"].items()}
+        self.seen = {str(uid) for uid in state["seen"]}
+        self.past_first_epoch = bool(state["past_first_epoch"])
 
 
 @register_root_rule("greso", make_state=GresoState)
@@ -134,6 +166,7 @@ def greso_root_rule(request: RootRequest) -> RootDecision:
     if request.state is None or request.prompt_uids is None or request.rng_for is None:
         raise ValueError("the greso arm skips prompts by their history: call trace.allocation.step.allocate_step "
                          "with state=make_allocator_state(arm) and the candidates' prompt ids")
+    request.state.see_candidates(request.prompt_uids)
     keep = request.rng_for("greso").random(request.num_candidates) < request.state.keep_probability(
         request.prompt_uids)
     order = np.concatenate([np.flatnonzero(keep), np.flatnonzero(~keep)])

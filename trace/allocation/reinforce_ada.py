@@ -8,8 +8,9 @@ prompt: the advantage's mean and standard deviation run over every rollout drawn
 
 - ``balanced`` (default): it has at least ``n // 2`` positive and ``n - n // 2`` negative rollouts (positive
   means reward > ``positive_threshold``). ``n`` is ``allocation.reinforce_ada.keep``, the original's kept
-  rollouts per prompt; unset it is ``allocation.group_size`` (8), so a prompt retires at 4 and 4 where the
-  original's script (``rollout.n`` = 4) retires it at 2 and 2: set ``keep: 4`` for that;
+  rollouts per prompt: 4 as in its script (``rollout.n`` = 4), so a prompt retires at 2 and 2 (at p = 0.5,
+  after one round of 8 with probability 0.93); ``keep: null`` takes ``allocation.group_size`` (8: 4 and 4,
+  0.27 after one round);
 - ``positive_focused``: it has one positive rollout;
 
 or after ``max_rounds`` rounds. The original lets each step draw 8-32 rollouts per prompt; here the rounds stop

@@ -27,8 +27,8 @@ class ReinforceAdaConfig(Section):
         "balanced", description="retire a prompt at >= n // 2 positives and n - n // 2 negatives, n = keep "
         "(balanced), or at its first positive (positive_focused)")
     positive_threshold: float = Field(0.7, description="a sample is positive when its reward is > this")
-    keep: Optional[int] = Field(None, ge=2, description="n of the balanced exit (keep // 2 positives, the rest "
-                                "negatives); None = allocation.group_size (the original's script keeps 4)")
+    keep: Optional[int] = Field(4, ge=2, description="n of the balanced exit (keep // 2 positives, the rest "
+                                "negatives): 4, the original's script (2 + 2); None = allocation.group_size")
     initial_prompts: Optional[int] = Field(
         None, ge=1, description="prompts of round 1; None = trajectory_budget // (2 * round_repeat): round 1 spends "
         "half the budget, the later rounds the rest")
@@ -48,6 +48,9 @@ class GresoConfig(Section):
     target_zero_variance: float = Field(0.25, ge=0, le=1, description="wanted share of zero-variance groups")
     easy_share: float = Field(1 / 3, ge=0, le=1, description="part of that share wanted all-correct (the rest "
                               "all-wrong)")
+    adapt_after_first_epoch: bool = Field(
+        True, description="move p_easy / p_hard only once the candidates start their second pass over the training "
+        "prompts (the original's epoch > 0); false: from the first step")
 
     @model_validator(mode="after")
     def _check(self) -> "GresoConfig":
@@ -71,10 +74,17 @@ class VipConfig(Section):
     gamma: float = Field(0.0007, ge=0, description="weight of the cost term b_i = gamma log p_i (RLOO form)")
     n_max: int = Field(32, ge=2, description="most rollouts of one prompt")
     n_drop: int = Field(4, ge=2, description="after flooring, prompts with fewer rollouts than this leave the batch")
-    length_scale: float = Field(0.27, gt=0, description="RBF kernel length scale over unit-norm embeddings")
+    features: Literal["minilm", "hashed"] = Field(
+        "minilm", description="question features: all-MiniLM-L6-v2 embeddings (the original's) or hashed word "
+        "uni/bigrams (no model)")
+    length_scale: float = Field(0.4, gt=0, description="RBF kernel length scale over unit-norm features (the "
+                                "original's code: 0.4 in one version, 0.27 in another; benchmarks/vip_kernel.py)")
     noise: float = Field(1e-4, gt=0, description="observation noise (jitter) of the GP, logit units squared")
-    prior_logit: float = Field(-5.0, description="prior mean logit of a prompt never forecast before")
-    embedding_dim: int = Field(256, ge=8, description="features of the hashed word uni/bigram embedding")
+    prior_logit: float = Field(-5.0, description="prior mean logit of every prompt before any observation")
+    embedding_dim: int = Field(256, ge=8, description="features of the hashed word uni/bigram embedding (hashed)")
+    rounding: Literal["surrogate", "exact"] = Field(
+        "surrogate", description="the rollouts left after flooring: by the surrogate a (n + 3) / (n + 4)^2, then "
+        "counts below n_drop to the largest (the original's), or by the exact objective")
     p_clip: float = Field(1e-6, gt=0, lt=0.5,
                           description="observed rates and forecasts are clipped to [this, 1 - this]")
 
