@@ -72,7 +72,6 @@ class PolicyUpdater:
                  ref_model: torch.nn.Module | None = None) -> None:
         init_distributed_env()
         import deepspeed  # heavy: imported only when an updater is built
-
         init_process_group()  # one process: a group over a private file, no port to race for
 
         self.cfg = update_cfg
