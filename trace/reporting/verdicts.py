@@ -425,3 +425,27 @@ def groups(arm_names: Iterable[str], baseline: str, verdicts: Mapping, versus: s
             side = "above" if verdict.mean > 0 else "below"
         out[arm] = f"{side} {baseline}"
     return out
+
+
+def judge(arms: Mapping[str, Mapping[str, Mapping[str, Interval]]], margin: float = DEFAULT_MARGIN,
+          baseline: str = "grpo") -> dict:
+    """Everything the report says of its differences: Holm within each family, the primary family's margin
+    verdicts and power, and the arms grouped against ``baseline``.
+
+    Args:
+        arms: as ``family_verdicts`` (``arm_statistics``' arms hold ``vs_grpo``, ``vs_trace``, ``vs_warmup``).
+        margin: delta (``report.margin``).
+        baseline: the arm the primary family compares with.
+
+    Returns:
+        ``{"verdicts": family_verdicts, "margins": primary_margins, "power": {arm: Power}, "groups": {arm:
+        group}, "group_column": the column that grouped (avg@k, or greedy where no arm has an avg@k interval)}``.
+    """
+    verdicts = family_verdicts(arms)
+    _, versus, (column,) = FAMILIES[0]
+    power = {arm: power_of(by[versus][column], margin) for arm, by in arms.items()
+             if column in by.get(versus, {}) and by[versus][column].has_interval}
+    has_primary = any(not math.isnan(v.p) for (_, vs, c), v in verdicts.items() if (vs, c) == (versus, column))
+    group_column = column if has_primary else "eval greedy"
+    return {"verdicts": verdicts, "margins": primary_margins(arms, margin), "power": power,
+            "groups": groups(list(arms), baseline, verdicts, versus, group_column), "group_column": group_column}
