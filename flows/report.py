@@ -45,7 +45,7 @@ def report_flow(params: str) -> dict:
     from trace.configuration.params_file import load_config
     from trace.reporting.report import arm_statistics, evaluate_run_ids, first_runs, mlflow_links
     from trace.reporting.report_dvc import arm_summary, write_curves
-    from trace.reporting.report_json import metrics_table
+    from trace.reporting.report_json import design, metrics_table
     from trace.reporting.report_markdown import render_markdown
     from trace.reporting.report_questions import attach_question_results
     from trace.reporting.report_plots import write_plots
@@ -70,7 +70,8 @@ def report_flow(params: str) -> dict:
                                cfg.evaluate.pass_k) if first and eval_ids else None
     links = mlflow_links(results, ui_url(cfg.tracking.tracking_uri), view_key)
     curves = write_curves(results, REPORTS / "curves")  # dvc.yaml's plots
-    stats = arm_statistics(results, cfg.evaluate.pass_k, warmup=warmup, warmup_questions=warmup_questions)
+    stats = arm_statistics(results, cfg.evaluate.pass_k, warmup=warmup, warmup_questions=warmup_questions,
+                           target_accuracy=cfg.report.target_accuracy)
     write_json(REPORTS / "arms.json", arm_summary(stats["arms"]))  # dvc.yaml's metrics: dvc exp show
     with open_run(cfg, "report", stage_params(cfg, "report")) as run:
         if links:
@@ -78,9 +79,13 @@ def report_flow(params: str) -> dict:
         (REPORTS / "summary.md").write_text(render_markdown(results, warmup, cfg.evaluate.pass_k, links,
                                                             [p.name for p in plots],
                                                             num_eval=cfg.evaluate.num_prompts,
-                                                            warmup_questions=warmup_questions))
-        table = metrics_table(results, cfg.evaluate.pass_k, warmup=warmup, warmup_questions=warmup_questions)
-        write_json(REPORTS / "metrics.json", {"warmup": warmup, "ablations": table})
+                                                            warmup_questions=warmup_questions,
+                                                            margin=cfg.report.margin,
+                                                            target_accuracy=cfg.report.target_accuracy))
+        table = metrics_table(results, cfg.evaluate.pass_k, warmup=warmup, warmup_questions=warmup_questions,
+                              margin=cfg.report.margin, target_accuracy=cfg.report.target_accuracy)
+        write_json(REPORTS / "metrics.json", {"warmup": warmup, "ablations": table,
+                                              "design": design(cfg.report.margin, cfg.evaluate.num_prompts)})
         # the report in the MLflow UI: summary.md renders as Markdown in the run's artifacts tab
         for path in (REPORTS / "summary.md", REPORTS / "metrics.json", REPORTS / "arms.json", *plots, *curves):
             run.log_artifact(path)

@@ -18,8 +18,9 @@ that changes a number changes the docs in the same commit.
 
 It lives in ``scripts/`` (the repository's command-line tools, run as ``python -m scripts.<name>``) because it
 reads the repository's documents and reports, which neither the library (``trace/``) nor a measurement
-(``benchmarks/``) should know about. Standard library and PyYAML only (the data-files table imports
-``trace.data_paths``, standard library too).
+(``benchmarks/``) should know about. Standard library and PyYAML, plus the report's verdict rule
+(``trace.reporting.verdicts`` and ``statistics``: numpy, scipy) so a table judges a difference as the report does
+(the data-files table imports ``trace.data_paths``, standard library).
 
 Usage:
     python -m scripts.docs_tables            # rewrite the tables in place
@@ -43,7 +44,7 @@ from scripts.docs_tables_benchmarks import (allocation_objectives_table, allocat
 from scripts.docs_tables_common import INDEX, RUNS, Context, DocsTableError, read_index
 from scripts.docs_tables_presets import PRESET_REPORTS, preset_table, presets_table
 from scripts.docs_tables_runs import (ABLATION_REPORTS, LEARNING_BAR, arms_table, audit_table, gain_avgk_table,
-                                      gain_table, overview_table, regime_table, tokens_to_target_table,
+                                      gain_table, overview_table, primary_table, regime_table, tokens_to_target_table,
                                       vs_grpo_table)
 
 __all__ = ["ABLATION_REPORTS", "LEARNING_BAR", "PRESET_REPORTS", "INDEX", "RUNS", "Context", "DocsTableError",
@@ -74,6 +75,7 @@ def tables() -> dict[str, Callable[[Context], str]]:
         out[f"{key}-tokens-to-target-avgk"] = lambda ctx, key=key: tokens_to_target_table(ctx, key, sampled=True)
         out[f"{key}-gain-avgk"] = lambda ctx, key=key: gain_avgk_table(ctx, key)
         out[f"{key}-overview"] = lambda ctx, key=key: overview_table(ctx, key)
+        out[f"{key}-primary"] = lambda ctx, key=key: primary_table(ctx, key)
     for key in PRESET_REPORTS:
         out[f"preset-{key}"] = lambda ctx, key=key: preset_table(ctx, key)
     out["allocators-on-one-budget"] = allocators_table

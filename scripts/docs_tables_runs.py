@@ -1,16 +1,22 @@
 """Docs tables of the ablation pipeline's run reports (``reports/runs/<folder>/metrics.json`` of the report stage):
 the arms, their differences against ``grpo``, the warmup they start from, gains over it (greedy and avg@k), tokens
-to ``grpo``'s final accuracy and the allocation audit."""
+to a target accuracy and the allocation audit.
+
+The verdicts are the report's rule (``trace.reporting.verdicts``, docs/method.md "Statistics over seeds"), applied
+again to the intervals the file stores: every difference shows its intervals and which one decided, and its
+verdict after Holm's correction within its declared family; the arms are grouped against ``grpo``, not ranked."""
 
 from __future__ import annotations
 
 import re
 from typing import Sequence
 
-from scripts.docs_tables_common import ABLATION_REPORTS, Context, _diff, _finite, _missing, _num, _pm, _source, _table
+from scripts.docs_tables_common import ABLATION_REPORTS, Context, _finite, _missing, _num, _pm, _source, _table
+from trace.reporting.statistics import interval_from_dict
+from trace.reporting.verdicts import DEFAULT_MARGIN, judge
 
 __all__ = ["ABLATION_REPORTS", "LEARNING_BAR", "arms_table", "audit_table", "gain_avgk_table", "gain_table",
-           "overview_table", "regime_table", "tokens_to_target_table", "vs_grpo_table"]
+           "overview_table", "primary_table", "regime_table", "tokens_to_target_table", "vs_grpo_table"]
 # The learning bar of the accuracy run: grpo's held-out gain over its warmup (docs/results.md)
 LEARNING_BAR = 0.10
 
@@ -25,13 +31,43 @@ def _pass_k(ablations: dict) -> int | None:
     return None
 
 
+def _judged(ablations: dict, margin: float = DEFAULT_MARGIN) -> dict:
+    """``trace.reporting.verdicts.judge`` of the differences a ``metrics.json`` stores."""
+    arms = {arm: {versus: {c: iv for c, d in entry.get(versus, {}).items() if (iv := interval_from_dict(d))}
+                  for versus in ("vs_grpo", "vs_trace", "vs_warmup")} for arm, entry in ablations.items()}
+    return judge(arms, margin)
+
+
 def _ranked(ablations: dict) -> list[str]:
-    """Arms by mean held-out greedy accuracy, then effective ratio (the report's own order)."""
-    def key(arm: str) -> tuple[float, float]:
-        cols = ablations[arm]["mean"]
-        acc, eff = [(cols.get(c) or {}).get("mean") for c in ("eval greedy", "effective ratio")]
-        return (-(acc if _finite(acc) else -1.0), -(eff if _finite(eff) else -1.0))
-    return sorted(ablations, key=key)
+    """Arms grouped against ``grpo`` on held-out avg@k after Holm's correction (greedy where a report has no
+    avg@k): above, as, below; ``grpo`` first in its group, then by name (no order within a group)."""
+    groups = _judged(ablations)["groups"]
+    side = {"above": 0, "as": 1, "below": 2}
+    return sorted(ablations, key=lambda a: (side[groups[a].split()[0]], a != "grpo", a))
+
+
+def _diff(iv: dict | None, verdict=None, digits: int = 3) -> str:
+    """A paired difference: ``+m b [low, high] t [low, high]* words``: the bootstrap interval (where there is one),
+    the t-interval over seeds, the one that decided marked *, and the verdict after correction; one seed:
+    ``+m (one seed)``."""
+    if not iv or not _finite(iv.get("mean")):
+        return "n/a"
+    if not (iv.get("n", 1) > 1 and _finite(iv.get("low")) and _finite(iv.get("high"))):
+        return f"{_num(iv['mean'], digits, True)} (one seed)"
+    boot = iv.get("estimator") == "bootstrap"
+    t = iv.get("seed_interval") if boot else iv
+    by = verdict.decided_by if verdict is not None else None
+    parts = []
+    if boot:
+        parts.append(f"b [{_num(iv['low'], digits, True)}, {_num(iv['high'], digits, True)}]" + ("*" if by == "bootstrap" else ""))
+    if t and _finite(t.get("low")):
+        parts.append(f"t [{_num(t['low'], digits, True)}, {_num(t['high'], digits, True)}]" + ("*" if by != "bootstrap" else ""))
+    words = verdict.words if verdict is not None else ("real" if iv.get("real") else "within noise")
+    return f"{_num(iv['mean'], digits, True)} " + " ".join(parts) + f" {words}"
+
+
+def _group_column(ablations: dict) -> str:
+    return "held-out avg@k" if _judged(ablations)["group_column"] == "eval mean@k" else "held-out greedy"
 
 
 def _seeds(entry: dict) -> list[str]:
@@ -53,13 +89,16 @@ def arms_table(ctx: Context, key: str, full: bool) -> str:
         cols += [("active prompts", "active prompts", 3), ("train reward", "train reward", 3),
                  ("trajectories/step", "trajectories/step", 0)]
     cols += [("generated tokens", "generated tokens", 0), ("s/step", "s/step", 2)]
-    rows = [[str(rank), f"`{arm}`"] + [_pm(abl[arm]["mean"].get(c), d) for c, _, d in cols]
-            for rank, arm in enumerate(_ranked(abl), 1)]
+    groups = _judged(abl)["groups"]
+    rows = [[groups[arm].replace("grpo", "`grpo`"), f"`{arm}`"] + [_pm(abl[arm]["mean"].get(c), d) for c, _, d in cols]
+            for arm in _ranked(abl)]
     seeds = sorted({s for entry in abl.values() for s in _seeds(entry)}, key=lambda s: int(s[1:]))
     note = (f"Mean over seeds {', '.join(s[1:] for s in seeds)} ± the half-width of the 95 % t-interval; training "
-            f"columns are means over steps, generated tokens the run's total. {_source(ctx, folder)}")
-    return _table(["rank", "arm"] + [label for _, label, _ in cols], rows,
-                  ["---:", "---"] + ["---:"] * len(cols)) + "\n\n" + note
+            f"columns are means over steps, generated tokens the run's total. Group: {_group_column(abl)} minus "
+            f"`grpo` after Holm's correction (above, as or below `grpo`; no order within a group, so no rank over "
+            f"differences within noise). {_source(ctx, folder)}")
+    return _table(["group", "arm"] + [label for _, label, _ in cols], rows,
+                  ["---", "---"] + ["---:"] * len(cols)) + "\n\n" + note
 
 
 def vs_grpo_table(ctx: Context, key: str, full: bool, ref: str = "grpo", arms: Sequence[str] | None = None) -> str:
@@ -78,22 +117,22 @@ def vs_grpo_table(ctx: Context, key: str, full: bool, ref: str = "grpo", arms: S
     cols += [("generated tokens", "generated tokens", 0), ("eval greedy", "held-out greedy", 3)]
     if full:
         cols += [("eval mean@k", f"held-out mean@{_pass_k(abl)}", 3)]
-    rows = [[f"`{arm}`"] + [_diff(abl[arm][versus].get(c), d) for c, _, d in cols]
+    verdicts = _judged(abl)["verdicts"]
+    rows = [[f"`{arm}`"] + [_diff(abl[arm][versus].get(c), verdicts.get((arm, versus, c)), d) for c, _, d in cols]
             for arm in _ranked(abl) if versus in abl[arm] and (arms is None or arm in arms)]
-    estimators = {iv.get("estimator") for arm in abl.values() for iv in arm.get(versus, {}).values()}
-    note = f"Arm minus `{ref}` at the same seed ({_verdict_rule(estimators, ctx)}). {_source(ctx, folder)}"
+    note = f"Arm minus `{ref}` at the same seed ({_verdict_rule(ctx)}). {_source(ctx, folder)}"
     return _table([f"arm minus `{ref}`"] + [label for _, label, _ in cols], rows) + "\n\n" + note
 
 
-def _verdict_rule(estimators: set, ctx: Context) -> str:
-    """How the tables' *real* / *within noise* was decided: the report's rule (docs/method.md, "Statistics over
-    seeds"), which for a bootstrap interval also asks the t-interval over seeds to exclude 0."""
-    if estimators <= {None, "t"}:
-        return "paired by seed, 95 % t-interval; *real* only when the interval excludes 0"
-    return ("95 % interval: t over seeds, or a paired bootstrap over questions and seeds where the report says so; "
-            "*real* only when the interval excludes 0 and, for a bootstrap interval, the t-interval over seeds "
-            "(not shown) excludes 0 too, so a bootstrap interval that excludes 0 can still be within noise: "
-            f"[the rule]({ctx.link('docs/method.md')}#statistics-over-seeds)")
+RULE = ("95 % intervals: t over seeds (t), and where the report has per-question results a paired bootstrap over "
+        "questions and seeds (b); *real* only when every interval excludes 0, its p-value the larger of theirs (* marks "
+        "the interval that decided); verdicts after Holm's correction within the declared family")
+
+
+def _verdict_rule(ctx: Context) -> str:
+    """The rule every verdict of the tables follows (docs/method.md, "Statistics over seeds")."""
+    return (f"{RULE}: *real after correction*, *real before correction only* or *within noise*; "
+            f"[the rule and the families]({ctx.link('docs/method.md')}#statistics-over-seeds)")
 
 
 def overview_table(ctx: Context, key: str) -> str:
@@ -107,23 +146,28 @@ def overview_table(ctx: Context, key: str) -> str:
     cols = [("eval mean@k", f"held-out avg@{_pass_k(abl)}", 3), ("eval greedy", "held-out greedy", 3),
             ("effective ratio", "effective ratio", 3), ("generated tokens", "generated tokens", 0)]
 
-    def verdict(iv: dict | None, digits: int) -> str:
+    verdicts = _judged(abl)["verdicts"]
+
+    def verdict(arm: str, c: str, digits: int) -> str:
+        iv = abl[arm].get("vs_grpo", {}).get(c)
         if not iv or not _finite(iv.get("mean")):
             return ""
-        word = ("real" if iv.get("real") else "within noise") if iv.get("n", 1) > 1 else "one seed"
+        v = verdicts.get((arm, "vs_grpo", c))
+        by = "" if v is None or v.words == "no interval" else (" (b)" if v.decided_by == "bootstrap" else " (t)")
+        word = (v.words + by) if v is not None and iv.get("n", 1) > 1 else "one seed"
         return f"{_num(iv['mean'], digits, True)} {word}"
 
     rows = []
     for arm in _ranked(abl):
         row = [f"`{arm}`"]
         for c, _, d in cols:
-            row += [_pm(abl[arm]["mean"].get(c), d), verdict(abl[arm].get("vs_grpo", {}).get(c), d)]
+            row += [_pm(abl[arm]["mean"].get(c), d), verdict(arm, c, d)]
         rows.append(row)
-    estimators = {iv.get("estimator") for arm in abl.values() for iv in arm.get("vs_grpo", {}).values()}
-    note = (f"{len(abl)} arms, ranked by held-out greedy accuracy (the report's order); mean over seeds "
+    note = (f"{len(abl)} arms, grouped against `grpo` on {_group_column(abl)} after correction (no rank); mean over seeds "
             f"{', '.join(s[1:] for s in sorted({s for e in abl.values() for s in _seeds(e)}, key=lambda s: int(s[1:])))}"
             f" ± the 95 % t half-width, generated tokens the run's total. \"minus `grpo`\": the arm minus `grpo` at the "
-            f"same seed ({_verdict_rule(estimators, ctx)}). {_source(ctx, folder)}")
+            f"same seed, (t) or (b) the interval that decided ({_verdict_rule(ctx)}; the intervals: the `-vs-grpo-full` "
+            f"table). {_source(ctx, folder)}")
     header = ["arm"]
     for _, label, _ in cols:
         header += [label, "minus `grpo`"]
@@ -148,7 +192,8 @@ def regime_table(ctx: Context, key: str) -> str:
 
 
 def gain_table(ctx: Context, key: str) -> str:
-    """Per arm, held-out greedy accuracy after RL minus the warmup's, with the verdict on the learning bar.
+    """Per arm, held-out greedy accuracy after RL minus the warmup's (the learning bar is asked of avg@k only:
+    ``gain_avgk_table``).
 
     The warmup's accuracy is one number shared by every seed, so the t-interval of the gain over seeds is the
     arm's accuracy interval shifted by it; it leaves out the warmup evaluation's own error (the report's
@@ -169,31 +214,13 @@ def gain_table(ctx: Context, key: str) -> str:
         shown = _num(iv["mean"] - warmup, 3, True) + (f" [{bound(low)}, {bound(high)}]"
                                                         if low is not None and high is not None else " (one seed)")
         rows.append([f"`{arm}`", _pm(iv), shown, "n/a" if low is None else ("yes" if low > 0 else "no")])
-    bar = ""
-    if "grpo" in abl and _finite(warmup):
-        g = abl["grpo"]["mean"].get("eval greedy") or {}
-        met = _finite(g.get("low")) and g["mean"] - warmup >= LEARNING_BAR and g["low"] > warmup
-        bar = (f" Asked of greedy accuracy, the learning bar (`grpo`'s gain >= {LEARNING_BAR:.2f} with the "
-               f"interval's lower end above the warmup) is **{'met' if met else 'not met'}** (where a report has "
-               "avg@k, the bar is asked of avg@k: its `-gain-avgk` table).")
+    bar = (" The learning bar is asked of avg@k, in the `-gain-avgk` table, not here." if _pass_k(abl) else "")
     note = (f"Held-out greedy accuracy after RL: mean over seeds ± the 95 % t half-width; minus the warmup's "
             f"{_num(warmup)}: the same interval shifted, which leaves out the warmup evaluation's own error (the "
             f"report's `summary.md` gives `grpo`'s gain with a paired bootstrap over questions that includes it)."
             f"{bar} " + _source(ctx, folder))
     return _table(["arm", "held-out greedy", "minus warmup [95 % t over seeds]", "lower end above warmup"],
                   rows) + "\n\n" + note
-
-
-def _gain(iv: dict | None) -> str:
-    """A gain over the warmup: ``+m [bootstrap low, high]; t [low, high] real`` (a bootstrap interval with its
-    seed t-interval), or ``_diff``'s form for a t-interval alone."""
-    if not iv or iv.get("estimator") != "bootstrap" or not iv.get("seed_interval"):
-        return _diff(iv)
-    t = iv["seed_interval"]
-    if not (_finite(iv.get("low")) and _finite(t.get("low"))):
-        return f"{_num(iv['mean'], 3, True)} (one seed)"
-    return (f"{_num(iv['mean'], 3, True)} [{_num(iv['low'], 3, True)}, {_num(iv['high'], 3, True)}]; "
-            f"t [{_num(t['low'], 3, True)}, {_num(t['high'], 3, True)}] {'real' if iv.get('real') else 'within noise'}")
 
 
 def gain_avgk_table(ctx: Context, key: str) -> str:
@@ -207,61 +234,126 @@ def gain_avgk_table(ctx: Context, key: str) -> str:
     if not any(e.get("vs_warmup") for e in abl.values()):
         return ("This report has no gains over the warmup per question (written before `vs_warmup`). "
                 + _source(ctx, folder))
+    verdicts = _judged(abl)["verdicts"]
     rows = []
     for arm in _ranked(abl):
         cols, gains = abl[arm]["mean"], abl[arm].get("vs_warmup", {})
-        rows.append([f"`{arm}`", _pm(cols.get("eval mean@k")), _gain(gains.get("eval mean@k")),
-                     _pm(cols.get("eval greedy")), _gain(gains.get("eval greedy"))])
+        rows.append([f"`{arm}`", _pm(cols.get("eval mean@k")),
+                     _diff(gains.get("eval mean@k"), verdicts.get((arm, "vs_warmup", "eval mean@k"))),
+                     _pm(cols.get("eval greedy")),
+                     _diff(gains.get("eval greedy"), verdicts.get((arm, "vs_warmup", "eval greedy")))])
     w = metrics["warmup"]
     base_k = w.get(f"accuracy/mean@{k}", w.get(f"accuracy/mean_at_{k}"))
     g = abl.get("grpo", {}).get("vs_warmup", {}).get("eval mean@k") or {}
-    met = _finite(g.get("mean")) and g["mean"] >= LEARNING_BAR and bool(g.get("real"))
+    v = verdicts.get(("grpo", "vs_warmup", "eval mean@k"))
+    met = _finite(g.get("mean")) and g["mean"] >= LEARNING_BAR and v is not None and v.real_corrected
     gg = abl.get("grpo", {}).get("vs_warmup", {}).get("eval greedy") or {}
-    greedy_met = _finite(gg.get("mean")) and gg["mean"] >= LEARNING_BAR and bool(gg.get("real"))
+    vg = verdicts.get(("grpo", "vs_warmup", "eval greedy"))
     note = (f"After RL: mean over seeds ± the 95 % t half-width. Gain: the arm minus the warmup policy (avg@{k} "
             f"{_num(base_k)}, greedy {_num(w.get('accuracy/greedy'))}), mean with the 95 % interval of a paired "
-            f"bootstrap over the held-out questions and seeds (the evaluations' own noise included) and the "
-            f"t-interval over seeds; *real* only when both exclude 0. avg@{k}: the mean reward of {k} sampled "
-            f"rollouts per question (DeepScaleR's avg@k, verl's mean@k); greedy: one rollout at temperature 0 "
-            f"(Search-R1's exact match). The learning bar (`grpo`'s avg@{k} gain >= {LEARNING_BAR:.2f}, real) is "
-            f"**{'met' if met else 'not met'}**; asked of greedy accuracy, as it was until an earlier run missed it "
-            f"there, it is **{'met' if greedy_met else 'not met'}**. " + _source(ctx, folder))
+            f"bootstrap over the held-out questions and seeds (b, the evaluations' own noise included) and the "
+            f"t-interval over seeds (t); {RULE} (the gains over warmup are one family). avg@{k}: the mean reward of "
+            f"{k} sampled rollouts per question (DeepScaleR's avg@k, verl's mean@k); greedy: one rollout at "
+            f"temperature 0 (Search-R1's exact match). The learning bar, asked of avg@{k} only (`grpo`'s avg@{k} gain "
+            f">= {LEARNING_BAR:.2f}, real after correction), is **{'met' if met else 'not met'}**; beside it, "
+            f"`grpo`'s greedy gain is {_num(gg.get('mean'), 3, True)} ({vg.words if vg else 'n/a'}). "
+            + _source(ctx, folder))
     return _table(["arm", f"held-out avg@{k}", f"avg@{k} minus warmup", "held-out greedy", "greedy minus warmup"],
                   rows) + "\n\n" + note
 
 
 def tokens_to_target_table(ctx: Context, key: str, sampled: bool = False) -> str:
-    """Per arm, the generated tokens to reach ``grpo``'s final in-training held-out accuracy (the curves):
-    greedy, or avg@k with ``sampled``."""
+    """Per arm, the generated tokens to a target in-training held-out accuracy (greedy, or avg@k with
+    ``sampled``): the report's ``tokens_to_target`` (the warmup plus half of ``grpo``'s gain, censored seeds kept),
+    its refusal, or, for a report written before it, why its stored numbers are not shown."""
     folder, metrics = ctx.report(key)
     if metrics is None:
         return _missing(ctx, key)
     abl = metrics["ablations"]
-    last, hit_key = ("arm/last_avgk", "tokens_to_grpo_final_sampled") if sampled else \
-        ("arm/last_eval_acc", "tokens_to_grpo_final")
+    new_key = "tokens_to_target_sampled" if sampled else "tokens_to_target"
+    what = "avg@k" if sampled else "greedy accuracy"
+    entries = {arm: e[new_key] for arm, e in abl.items() if isinstance(e.get(new_key), dict)}
+    if entries:
+        first = next(iter(entries.values()))
+        if first.get("refused"):
+            return f"Tokens to a target {what}: refused by the report, {first['refused']}. " + _source(ctx, folder)
+        rows = []
+        for arm in _ranked(abl):
+            e = entries.get(arm) or {}
+            reached, censored = e.get("reached", {}), e.get("censored", {})
+            per_seed = sorted([f"{s}: {_num(v, 0)}" for s, v in reached.items()] +
+                              [f"{s}: > {_num(v, 0)} (censored)" for s, v in censored.items()])
+            median = _num(e.get("median"), 0) if _finite(e.get("median")) else "not reached by half the seeds"
+            rows.append([f"`{arm}`", median, f"{len(reached)}/{len(reached) + len(censored)}", ", ".join(per_seed)])
+        note = (f"Generated tokens until the in-training held-out {what} first reaches {_num(first.get('target'))} "
+                "(the warmup's plus half of `grpo`'s mean gain, or `report.target_accuracy`): per seed the first "
+                "crossing, linearly interpolated; a seed that never reaches it is censored at its last tokens (kept, "
+                "counted above every crossing); the median over all seeds. " + _source(ctx, folder))
+        return _table(["arm", f"median tokens to {_num(first.get('target'))}", "seeds reaching", "per seed"],
+                      rows) + "\n\n" + note
+    last = "arm/last_avgk" if sampled else "arm/last_eval_acc"
     # runs trained before the name arm/last_avgk logged the same value as arm/last_eval_avgk
     finals = [abl["grpo"][s].get(last, abl["grpo"][s].get("arm/last_eval_avgk")) for s in _seeds(abl["grpo"])] \
         if "grpo" in abl else []
     finals = [f for f in finals if _finite(f)]
-    if not finals:
-        return "No `grpo` in-training evaluation in this report: no target accuracy. " + _source(ctx, folder)
+    w = metrics.get("warmup", {})
+    k = _pass_k(abl)
+    start = w.get(f"accuracy/mean@{k}", w.get(f"accuracy/mean_at_{k}")) if sampled else w.get("accuracy/greedy")
+    if finals and _finite(start) and sum(finals) / len(finals) <= start:
+        return (f"Tokens to a target {what}: refused. The target this report used, `grpo`'s final in-training {what} "
+                f"{_num(sum(finals) / len(finals))}, is at or below the warmup's {_num(start)}, so its numbers measure "
+                "the first evaluation interval, not learning. " + _source(ctx, folder))
+    return (f"Tokens to a target {what}: not recorded. This report stores the crossings of `grpo`'s own final "
+            f"in-training {what}, which `grpo` reaches at about half its seeds by construction, averaged over the "
+            "seeds that reach it (seeds that never do dropped); the report stage now writes the crossings of the "
+            "warmup's accuracy plus half of `grpo`'s gain with censored seeds kept, which needs the curves this file "
+            "does not hold. " + _source(ctx, folder))
+
+
+def primary_table(ctx: Context, key: str) -> str:
+    """The primary comparison: each arm's held-out avg@k minus ``grpo`` with its intervals, its verdict after
+    Holm's correction, its margin verdict and its power (``trace.reporting.verdicts.judge``)."""
+    folder, metrics = ctx.report(key)
+    if metrics is None:
+        return _missing(ctx, key)
+    abl = metrics["ablations"]
+    design = metrics.get("design") or {}
+    margin = float(design.get("margin", DEFAULT_MARGIN))
+    judged = _judged(abl, margin)
+    num_questions = design.get("num_questions")
     rows = []
     for arm in _ranked(abl):
-        hit, seeds = abl[arm].get(hit_key), len(_seeds(abl[arm]))
-        reached = int(hit.get("n", 0)) if hit else 0
-        if not hit or not _finite(hit.get("mean")):
-            shown = "not reached"
-        elif reached == seeds and reached > 1 and _finite(hit.get("low")):
-            shown = f"{_num(hit['mean'], 0)} [{_num(hit['low'], 0)}, {_num(hit['high'], 0)}]"
+        iv = abl[arm].get("vs_grpo", {}).get("eval mean@k")
+        if not iv or not _finite(iv.get("mean")):
+            continue
+        words, low, high = judged["margins"].get(arm, ("undecided", None, None))
+        pw = judged["power"].get(arm)
+        if pw is None:
+            cells = ["n/a"] * 4
         else:
-            shown = f"{_num(hit['mean'], 0)} (mean of the seeds that reach it)"
-        rows.append([f"`{arm}`", shown, f"{reached}/{seeds}"])
-    target = sum(finals) / len(finals)
-    what = "avg@k" if sampled else "accuracy"
-    note = (f"Generated tokens until the in-training held-out {what} first reaches {_num(target)}, `grpo`'s final "
-            f"one (mean over its seeds): per seed the first crossing of accuracy against cumulative generated "
-            f"tokens, linearly interpolated; the 95 % t-interval when every seed reaches it. " + _source(ctx, folder))
-    return _table(["arm", f"tokens to {_num(target)}", "seeds reaching"], rows) + "\n\n" + note
+            seeds = str(pw.seeds_needed) if pw.seeds_needed is not None else "> 1,000"
+            if not _finite(pw.questions_factor):
+                questions = "not recorded"
+            elif num_questions:
+                questions = f"{-(-pw.questions_factor * num_questions // 1):,.0f}"
+            else:
+                questions = f"{pw.questions_factor:.1f} x the held-out set"
+            cells = [_num(pw.mdd_seeds), _num(pw.mdd_bootstrap), seeds, questions]
+        rows.append([f"`{arm}`", _diff(iv, judged["verdicts"].get((arm, "vs_grpo", "eval mean@k"))),
+                     f"{words} [{_num(low, 3, True)}, {_num(high, 3, True)}]", *cells])
+    if not rows:
+        return "This report has no held-out avg@k: no primary comparison. " + _source(ctx, folder)
+    k = _pass_k(abl)
+    m = len(judged["margins"])
+    note = (f"The primary family: held-out avg@{k}, each arm minus `grpo` ({RULE}). Against delta = {margin:g}: the "
+            f"verdict on the hull of both intervals at the family-wise level 1 - 0.05/{m} (*better by >= delta*, "
+            "*worse*, *equivalent within ±delta* by two one-sided tests, *not worse (non-inferior)*, *not better by "
+            "delta (non-superior)*, *undecided*). Power: the minimum detectable difference (MDD) at 80 % power, "
+            "two-sided 5 %, of the t-test over seeds and of the bootstrap (both must reject); the seeds that bring "
+            "the seed component's MDD to delta, and the questions that bring the question component's (the "
+            "bootstrap's variance beyond the seed interval's) to delta. " + _source(ctx, folder))
+    return _table(["arm", f"avg@{k} minus `grpo`", f"against delta = {margin:g}", "MDD seeds", "MDD bootstrap",
+                   "seeds for delta", "questions for delta"], rows) + "\n\n" + note
 
 
 def audit_table(ctx: Context, key: str) -> str:

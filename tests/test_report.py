@@ -33,7 +33,7 @@ def _log_arm(cfg, ablation: str, summary: dict, eval_metrics: dict, seed: int | 
     return train.run_id, evaluate.run_id
 
 
-def test_report_ranks_the_arms_from_their_mlflow_runs_and_links_the_compare_view(tmp_path):
+def test_report_groups_the_arms_from_their_mlflow_runs_and_links_the_compare_view(tmp_path):
     cfg = load_config(PARAMS, overrides={"tracking.tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
                                          "train.ablations": ["grpo", "trace"]})
     ids = {}
@@ -55,8 +55,8 @@ def test_report_ranks_the_arms_from_their_mlflow_runs_and_links_the_compare_view
 
     # trace first (held-out 0.55 > 0.40): greedy, mean@2 (not logged here), pass@2, effective ratio, token
     # ratio, active prompts, reward, generated tokens, trajectories per step, seconds per step
-    assert "| 1 | trace | 0.550 | nan | 0.650 | 0.900 | 0.850 | 0.300 | 0.500 | 300 | 16 | 0.25 |" in text
-    assert "| 2 | grpo | 0.400 | nan | 0.500 | 0.600 |" in text
+    assert "| as grpo | trace | 0.550 | nan | 0.650 | 0.900 | 0.850 | 0.300 | 0.500 | 300 | 16 | 0.25 |" in text
+    assert "| as grpo | grpo | 0.400 | nan | 0.500 | 0.600 |" in text
     assert "one seed, no interval" in text
     assert links["runs"] == (f"http://127.0.0.1:5000/#/experiments/{experiment_id}/runs?"
                              f"workflowType=machine_learning&viewStateShareKey={view_key}")
@@ -102,9 +102,9 @@ def test_the_report_reads_one_run_per_arm_and_seed_and_pairs_the_seeds(tmp_path)
     assert first_runs(results)["grpo"] is results["grpo"][0]
     text = render_markdown(results, {}, cfg.evaluate.pass_k)
     half = 4.302653 * 0.01 / 3 ** 0.5
-    assert f"held-out greedy accuracy +0.110 [{0.11 - half:+.3f}, {0.11 + half:+.3f}] (real)" in text
+    assert f"held-out greedy accuracy +0.110, t over seeds [{0.11 - half:+.3f}, {0.11 + half:+.3f}]; decided by t" in text
     assert "Seeds 0, 1, 2 (3 runs per arm)" in text
-    assert "| 1 | trace | 0.460 ± 0.099 |" in text  # 0.50, 0.42, 0.46: s = 0.04, half = 4.303 * 0.04 / sqrt(3)
+    assert "| above grpo | trace | 0.460 ± 0.099 |" in text  # 0.50, 0.42, 0.46: s = 0.04, half = 4.303 * 0.04 / sqrt(3)
 
 
 def _view_of_link(client, experiment_id: str, url: str) -> dict:

@@ -32,54 +32,67 @@ ONE_SEED = {
     "tree_random": {0: {"run_id": "r3", "experiment_id": "7", "history": {}, "summary": {}}},
 }
 HEADER = (
-    "| rank | ablation | eval greedy | eval mean@2 | eval pass@2 | effective ratio | effective token ratio | "
+    "| group | ablation | eval greedy | eval mean@2 | eval pass@2 | effective ratio | effective token ratio | "
     "active prompts | train reward | generated tokens | trajectories/step | s/step |\n"
     "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+# no interval anywhere: every arm is grouped with grpo (grpo first, then by name: no rank), every family is
+# empty, and the curves of two evaluations are too short for a tokens-to-target crossing
+RULE_TEXT = (
+    "\n## The rule\n\n"
+    "Paired differences (arm minus the other at the same seed), mean and 95% intervals: a t-interval over seeds, and "
+    "where per-question results exist also a paired bootstrap over the held-out questions and seeds (percentile "
+    "interval of 10,000 resamples). A difference is real only when every one of its intervals excludes 0; its "
+    "p-value is the larger of theirs, and the interval that gave it is named (\"decided by\"). Families, each "
+    "corrected by Holm's step-down at 5% (number of comparisons): primary: held-out avg@k minus grpo (0); greedy "
+    "minus grpo (0); effective ratio minus grpo (0); generated tokens minus grpo (0); minus trace (0); gain over "
+    "warmup (0). *Real after correction*: Holm's adjusted p below 0.05; *real before correction only*: every "
+    "interval excludes 0 but not after correction.\n\n"
+    "Primary comparisons against the margin delta = 0.02 (`report.margin`), read on the hull of their intervals at "
+    "the family-wise level 1 - 0.05/m: *better by >= delta* (lower end >= delta), *worse* (upper end < 0), "
+    "*equivalent within ±delta* (inside (-delta, +delta): two one-sided tests), *not worse (non-inferior)* (lower "
+    "end > -delta), *not better by delta (non-superior)* (upper end < delta), else *undecided*.\n")
 ONE_SEED_TEXT = (
     "Seed 0 only: one seed, no interval (run more with `dvc exp run -S 'train.seeds=[0,1,2]'`).\n\n"
-    "Ranked by mean held-out greedy accuracy after RL (ties: effective ratio). Training columns are means over "
-    "steps;\nevery arm samples the same number of trajectories per step.\n\n" + HEADER +
-    "| 1 | trace | 0.400 | nan | nan | 0.900 | nan | nan | nan | nan | nan | nan |\n"
-    "| 2 | grpo | 0.400 | 0.350 | 0.500 | 0.600 | 0.550 | 0.300 | 0.500 | 12,345 | 16 | 0.25 |\n"
-    "| 3 | tree_random | nan | nan | nan | nan | nan | nan | nan | nan | nan | nan |\n"
+    "Grouped by held-out greedy accuracy against grpo after Holm's correction (above, as, below grpo; no order "
+    "within a group). Training columns are means over steps;\nevery arm samples the same number of trajectories "
+    "per step.\n\n" + HEADER +
+    "| as grpo | grpo | 0.400 | 0.350 | 0.500 | 0.600 | 0.550 | 0.300 | 0.500 | 12,345 | 16 | 0.25 |\n"
+    "| as grpo | trace | 0.400 | nan | nan | 0.900 | nan | nan | nan | nan | nan | nan |\n"
+    "| as grpo | tree_random | nan | nan | nan | nan | nan | nan | nan | nan | nan | nan |\n"
+    + RULE_TEXT +
     "\n## Against grpo\n\n"
-    "Paired differences (arm minus grpo at the same seed), mean and 95% t-interval; a difference is real only "
-    "when its interval excludes 0.\n\n"
     "| ablation | Δ eval greedy | Δ eval mean@2 | Δ effective ratio | Δ effective token ratio | "
     "Δ generated tokens |\n|---|---:|---:|---:|---:|---:|\n"
     "| trace | +0.000 | nan | +0.300 | nan | nan |\n"
     "| tree_random | nan | nan | nan | nan | nan |\n\n"
     "- trace against grpo: held-out greedy accuracy +0.000 (one seed, no interval); held-out sampled accuracy "
-    "nan (no value); effective ratio +0.300 (one seed, no interval); effective token ratio nan (no value); "
-    "generated tokens nan (no value).\n"
-    "- tree_random against grpo: held-out greedy accuracy nan (no value); held-out sampled accuracy nan "
-    "(no value); effective ratio nan (no value); effective token ratio nan (no value); generated tokens nan "
-    "(no value).\n"
+    "no value; effective ratio +0.300 (one seed, no interval); effective token ratio no value; "
+    "generated tokens no value.\n"
+    "- tree_random against grpo: held-out greedy accuracy no value; held-out sampled accuracy no value; "
+    "effective ratio no value; effective token ratio no value; generated tokens no value.\n")
+EFFICIENCY_TEXT = (
     "\n## Sample efficiency\n\n"
-    "Generated tokens to reach grpo's final in-training held-out greedy accuracy (0.400, mean over seeds of its last "
-    "`accuracy/eval`): per seed the first crossing of accuracy against cumulative generated tokens, linearly "
-    "interpolated; mean over the seeds that reach it.\n\n"
-    "| ablation | tokens to 0.400 | seeds reaching |\n|---|---:|---:|\n"
-    "| trace | 150 | 1/1 |\n| grpo | 200 | 1/1 |\n| tree_random | not reached | 0/1 |\n"
-    "\n## Sample efficiency, avg@k\n\n"
-    "Generated tokens to reach grpo's final in-training held-out avg@k (0.350, mean over seeds of its last "
-    "`accuracy/eval_sampled`): per seed the first crossing of accuracy against cumulative generated tokens, "
-    "linearly interpolated; mean over the seeds that reach it.\n\n"
-    "| ablation | tokens to 0.350 | seeds reaching |\n|---|---:|---:|\n"
-    "| trace | 175 | 1/1 |\n| grpo | 200 | 1/1 |\n| tree_random | not reached | 0/1 |\n\n")
+    "Tokens to a target greedy accuracy (the warmup's 0.300 plus half of grpo's mean gain in final in-training "
+    "greedy accuracy): not reported, a curve has 2 in-training evaluations, fewer than 3: too few to place a "
+    "crossing (lower train.eval_every).\n"
+    "\n## Sample efficiency, avg@2\n\n"
+    "Tokens to a target avg@2 (the warmup's 0.250 plus half of grpo's mean gain in final in-training avg@2): not "
+    "reported, a curve has 2 in-training evaluations, fewer than 3: too few to place a crossing (lower "
+    "train.eval_every).\n\n")
 # with the warmup's accuracies (greedy 0.300, avg@2 0.250): every evaluated arm's gain over it, grpo +0.100 in both
 # (0.400 - 0.300, 0.350 - 0.250), trace +0.100 greedy and no avg@2 (its evaluation logged none); tree_random
 # never evaluated, so it has no row
 GAIN_TEXT = (
     "\n## Gain over warmup\n\n"
-    "Held-out accuracy after RL minus the warmup policy's, mean and 95% interval: a paired bootstrap over the "
-    "held-out questions and seeds where per-question results exist (the warmup's own evaluation error included), "
-    "real only when it and the t-interval over seeds both exclude 0. Greedy: one rollout at temperature 0 "
+    "Held-out accuracy after RL minus the warmup policy's, mean and 95% intervals: a paired bootstrap over the "
+    "held-out questions and seeds where per-question results exist (the warmup's own evaluation error included) "
+    "and the t-interval over seeds, with the one that decided and the verdict after Holm's correction within the "
+    "family of gains. Greedy: one rollout at temperature 0 "
     "(Search-R1's exact match); avg@2: the mean reward of 2 sampled rollouts per question (DeepScaleR's avg@k, "
     "verl's mean@k).\n\n"
     "| ablation | Δ greedy | Δ avg@2 |\n|---|---:|---:|\n"
-    "| trace | +0.100 (one seed, no interval) | nan |\n"
-    "| grpo | +0.100 (one seed, no interval) | +0.100 (one seed, no interval) |\n")
+    "| grpo | +0.100 (one seed, no interval) | +0.100 (one seed, no interval) |\n"
+    "| trace | +0.100 (one seed, no interval) | nan |\n")
 
 
 def _seeded(values: dict[str, list[float]], curves: list[list[float]] | None = None,
@@ -115,13 +128,12 @@ THREE_SEEDS = {
 def test_summary_markdown_is_byte_for_byte_the_documented_report():
     links = {"runs": "http://ui/runs", "compare": "http://ui/compare"}
     text = render_markdown(ONE_SEED, {"accuracy/greedy": 0.3, "accuracy/mean@2": 0.25}, 2, links, ["a.png", "b.png"])
-    vs_grpo, efficiency = ONE_SEED_TEXT.split("\n## Sample efficiency\n")
     assert text == ("# Ablation report\n\nHeld-out greedy accuracy after warmup: **0.300**.\n"
                     "- grpo's gain in held-out greedy accuracy over warmup: +0.100 (one seed, no interval).\n"
                     "- Held-out avg@2 after warmup (mean reward of 2 sampled rollouts per question, DeepScaleR's / "
                     "verl's mean@k): **0.250**.\n"
                     "- grpo's gain in held-out avg@2 over warmup: +0.100 (one seed, no interval).\n\n"
-                    + vs_grpo + GAIN_TEXT + "\n## Sample efficiency\n" + efficiency +
+                    + ONE_SEED_TEXT + GAIN_TEXT + EFFICIENCY_TEXT +
                     "Plots: `a.png`, `b.png`.\n\n"
                     "MLflow (`make ui`): [the arms' results](http://ui/runs) (every seed's evaluate run, grouped by "
                     "arm with the mean over seeds: `arm/acc`, `arm/eff_ratio`, ...), "
@@ -129,10 +141,15 @@ def test_summary_markdown_is_byte_for_byte_the_documented_report():
 
 
 def test_without_a_warmup_baseline_or_links_the_report_starts_with_the_seeds():
-    assert render_markdown(ONE_SEED, {}, 2, None) == "# Ablation report\n\n" + ONE_SEED_TEXT[:-1]
+    refused = ("not reported, no warmup accuracy to start from, and report.target_accuracy is not set.\n")
+    assert render_markdown(ONE_SEED, {}, 2, None) == (
+        "# Ablation report\n\n" + ONE_SEED_TEXT + "\n## Sample efficiency\n\nTokens to a target greedy accuracy (the "
+        "warmup's nan plus half of grpo's mean gain in final in-training greedy accuracy): " + refused +
+        "\n## Sample efficiency, avg@2\n\nTokens to a target avg@2 (the warmup's nan plus half of grpo's mean gain in "
+        "final in-training avg@2): " + refused)
 
 
-def test_the_regime_states_warmup_with_its_standard_error_grpos_waste_and_gain_in_standard_errors():
+def test_the_regime_states_warmup_with_its_standard_error_grpos_waste_and_gain():
     runs = {arm: {seed: {**res, "history": {**res["history"],
                                            "mixed_group_ratio": [(0, 0.5 + 0.1 * seed), (1, 0.9)],
                                            "predictor/root_auc": [(0, 0.7), (1, 0.8 + 0.01 * seed)]}}
@@ -149,24 +166,32 @@ def test_the_regime_states_warmup_with_its_standard_error_grpos_waste_and_gain_i
            "questions 0.250" in text
     # no per-question results: a t-interval over seeds against one warmup evaluation leaves out that
     # evaluation's own error, so the gain is not called real (tests/test_report_questions.py bootstraps it)
-    assert "at its first step" in text and "+3.8 standard errors of the evaluation (not judged: this " \
-           "t-interval over seeds leaves out the warmup evaluation's own error" in text
+    # (a paired gain is not divided by the unpaired standard error of one evaluation)
+    assert "at its first step" in text and "standard errors of the evaluation" not in text
+    assert "(not judged: this t-interval over seeds leaves out the warmup evaluation's own error" in text
 
 
 def test_three_seeds_show_intervals_and_call_only_intervals_that_exclude_zero_real():
-    text = render_markdown(THREE_SEEDS, {}, 2)
+    text = render_markdown(THREE_SEEDS, {"accuracy/greedy": 0.1}, 2)
     half = 4.302653 * 0.01 / math.sqrt(3)  # the accuracy differences' t-interval
-    assert f"held-out greedy accuracy +0.110 [{0.11 - half:+.3f}, {0.11 + half:+.3f}] (real)" in text
-    assert "effective ratio +0.000 [-0.248, +0.248] (within noise)" in text  # s = 0.1: 4.303 * 0.1 / sqrt(3)
-    assert "| 1 | trace | 0.460 ± 0.099 |" in text
+    assert (f"held-out greedy accuracy +0.110, t over seeds [{0.11 - half:+.3f}, {0.11 + half:+.3f}]; decided by t "
+            "over seeds, p 0.003, Holm 0.003 of 1 (real after correction)") in text  # t = 0.11 / (0.01 / sqrt 3) = 19.05
+    assert "effective ratio +0.000, t over seeds [-0.248, +0.248]; decided by t over seeds, p 1.000" in text
+    assert "| above grpo | trace | 0.460 ± 0.099 |" in text and "| as grpo | grpo |" in text
     assert "Seeds 0, 1, 2 (3 runs per arm)" in text and "one seed" not in text
-    # grpo's final (not best) accuracies 0.4, 0.3, 0.35: target 0.35. trace crosses it at 175 (0.2 -> 0.4 over
-    # 100..200), 225 (0.3 -> 0.5 over 200..300), and seed 2 never (0.3): mean 200 over 2 seeds
-    stats = arm_statistics(THREE_SEEDS, 2)
-    assert stats["target"].mean == pytest.approx(0.35)
-    assert stats["arms"]["trace"]["tokens_to_target"].mean == pytest.approx(200.0)
-    assert stats["arms"]["trace"]["reached"] == 2
-    assert "| trace | 200 ± 318 | 2/3 |" in text  # 2 seeds: s = 35.36, t_{0.975,1} = 12.706: 12.706 * 35.36 / sqrt(2)
+    # target: warmup 0.1 + half of grpo's mean final gain ((0.4 + 0.3 + 0.35) / 3 - 0.1 = 0.25): 0.225. grpo
+    # crosses it at 200 + 0.025 / 0.2 x 100 = 212.5, 200 + 0.025 / 0.1 x 100 = 225, 100 + 0.125 / 0.3 x 100 = 141.7;
+    # trace at 112.5, 125, 225: medians 212.5 (printed 212, round half to even) and 125
+    stats = arm_statistics(THREE_SEEDS, 2, warmup={"accuracy/greedy": 0.1})
+    assert stats["targets"]["eval greedy"]["target"] == pytest.approx(0.225)
+    assert stats["arms"]["trace"]["crossings"].reached == pytest.approx({0: 112.5, 1: 125.0, 2: 225.0})
+    assert "| trace | 125 | 3/3 | s0: 112, s1: 125, s2: 225 |" in text
+    # a declared target of 0.45: grpo never reaches it (censored at 300, not dropped); trace at 250 and 275, its
+    # seed 2 censored: median of 250, 275, (above every crossing) = 275
+    declared = render_markdown(THREE_SEEDS, {"accuracy/greedy": 0.1}, 2, target_accuracy=0.45)
+    assert "| grpo | not reached by half the seeds | 0/3 | s0: > 300 (censored), s1: > 300 (censored), " \
+           "s2: > 300 (censored) |" in declared
+    assert "| trace | 275 | 2/3 | s0: 250, s1: 275, s2: > 300 (censored) |" in declared
     # the audit: mean over steps then seeds; only trace logged it
     assert "## Allocation audit" in text
     assert "| trace | 5.00 ± 0.00 | 3.50 ± 0.00 | 1.00 ± 0.00 | 2.00 ± 0.00 |" in text
@@ -230,7 +255,14 @@ def test_metrics_table_keeps_each_seed_and_the_statistics_as_json():
     assert "vs_trace" not in table["trace"]
     for column in ("effective ratio", "eval greedy"):
         assert table["grpo"]["vs_trace"][column]["mean"] == pytest.approx(-table["trace"]["vs_grpo"][column]["mean"])
-    assert table["trace"]["tokens_to_grpo_final"]["mean"] == pytest.approx(200.0)
+    # no warmup: the target is refused, and the reason is kept
+    assert table["trace"]["tokens_to_target"]["refused"].startswith("no warmup accuracy")
+    judged = metrics_table(THREE_SEEDS, 2, warmup={"accuracy/greedy": 0.1}, target_accuracy=0.45)["trace"]
+    assert judged["tokens_to_target"] == {"target": 0.45, "reached": {"s0": 250.0, "s1": 275.0},
+                                          "censored": {"s2": 300.0}, "median": 275.0}
+    greedy = judged["vs_grpo"]["eval greedy"]
+    assert greedy["decided_by"] == "t" and greedy["family"] == "greedy minus grpo" and greedy["real_after_correction"]
+    assert judged["group"] == "above grpo"
     one = metrics_table(ONE_SEED, 2)
     assert one["grpo"]["s0"]["arm/eff_ratio"] == 0.6 and one["tree_random"]["s0"] == {}
     assert one["trace"]["vs_grpo"]["eval greedy"]["low"] is None

@@ -62,7 +62,7 @@ def test_a_gain_of_one_standard_error_over_one_warmup_evaluation_is_not_called_r
                            warmup_questions={"questions": dict(zip(IDS, warmup.tolist()))})
     line = _gain_line(text)
     assert line.startswith("- grpo's gain in held-out greedy accuracy over warmup: +0.040 [-0.0")
-    assert "= +1.2 standard errors of the evaluation (within noise; paired bootstrap over the held-out " \
+    assert "+0.040 [-0.017, +0.097] (within noise; paired bootstrap over the held-out " \
            "questions and 3 seeds)." in line
     assert "real" not in line and "[+0.028, +0.052]" not in line
 
@@ -89,9 +89,9 @@ def test_an_arm_difference_within_question_noise_is_bootstrapped_and_not_called_
     assert diff["eval greedy"].seed_interval.excludes_zero  # what the seed-only interval would have said
     assert diff["effective ratio"].estimator == "t"
     text = render_markdown(results, {}, 2)
-    assert "Δ eval greedy by a paired bootstrap over the held-out questions and seeds (percentile interval " \
-           "of 10,000 resamples" in text
-    assert "- trace against grpo: held-out greedy accuracy +0.040 [-0.0" in text
+    # both intervals shown; the bootstrap, which reaches 0, decides
+    assert "- trace against grpo: held-out greedy accuracy +0.040, bootstrap [-0.0" in text
+    assert "t over seeds [+0.028, +0.052]; decided by the bootstrap, p 0." in text
     assert "(within noise); held-out sampled accuracy" in text
     table = json.loads(json.dumps(metrics_table(results, 2)))
     greedy = table["trace"]["vs_grpo"]["eval greedy"]
@@ -105,8 +105,9 @@ def test_without_per_question_results_the_differences_stay_t_intervals_over_seed
                "trace": _arm(_rows(grpo_rows[0], fixed=20, broken=13), questions=False)}
     diff = arm_statistics(results, 2)["arms"]["trace"]["vs_grpo"]["eval greedy"]
     assert diff.estimator == "t" and diff.excludes_zero
-    assert "mean and 95% t-interval; a difference is real only when its interval excludes 0." in \
-        render_markdown(results, {}, 2)
+    text = render_markdown(results, {}, 2)
+    assert "held-out greedy accuracy +0.040, t over seeds [+0.028, +0.052]; decided by t over seeds" in text
+    assert "bootstrap [" not in text
 
 
 def _write_eval(path: Path, rows: dict, **metrics) -> None:

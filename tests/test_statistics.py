@@ -170,3 +170,35 @@ def test_paired_bootstrap_names_what_does_not_line_up():
         paired_bootstrap(np.zeros(200), np.zeros(200))
     with pytest.raises(ValueError, match="finite"):
         paired_bootstrap(np.full((2, 2), np.nan), np.zeros(2))
+
+
+def test_a_seed_that_never_reaches_the_target_is_censored_not_dropped():
+    from trace.reporting.statistics import tokens_to_target_censored
+
+    curves = {0: ([100, 200, 300], [0.50, 0.60, 0.70]),   # crosses 0.55 halfway: 150
+              1: ([100, 200, 300], [0.52, 0.58, 0.65]),   # 100 + (0.55 - 0.52) / 0.06 x 100 = 150
+              2: ([100, 200, 300], [0.50, 0.52, 0.54])}   # never: censored at its last 300 tokens
+    hits = tokens_to_target_censored(curves, 0.55)
+    assert hits.reached == pytest.approx({0: 150.0, 1: 150.0}) and hits.censored == {2: 300.0}
+    assert hits.num_seeds == 3
+    # ordered 150, 150, (censored above every crossing): the middle one is 150
+    assert hits.median == pytest.approx(150.0)
+    # two of three censored: the median lies beyond the runs
+    curves[1] = ([100, 200, 300], [0.50, 0.51, 0.52])
+    late = tokens_to_target_censored(curves, 0.55)
+    assert late.censored == {1: 300.0, 2: 300.0} and math.isnan(late.median)
+
+
+def test_the_target_is_half_the_baselines_gain_and_a_degenerate_one_is_refused():
+    from trace.reporting.statistics import crossing_target, target_refusal
+
+    # warmup 0.43, grpo finals 0.52 / 0.54 / 0.56 (mean 0.54): 0.43 + 0.11 / 2 = 0.485
+    assert crossing_target(0.43, [0.52, 0.54, 0.56]) == pytest.approx(0.485)
+    assert crossing_target(0.43, [0.52], declared=0.50) == 0.50
+    assert target_refusal(0.485, 0.43, [16, 16, 16]) is None
+    # the all-arms run: grpo's final 0.650 below the warmup's 0.670, evaluations at steps 9 and 19 only
+    below = target_refusal(crossing_target(0.67, [0.65]), 0.67, [2, 2, 2])
+    assert below is not None and "at or below the warmup's 0.670" in below
+    few = target_refusal(0.70, 0.67, [2, 5])
+    assert few is not None and "2 in-training evaluations, fewer than 3" in few
+    assert "no target" in target_refusal(crossing_target(0.67, []), 0.67, [5])

@@ -218,6 +218,15 @@ class EvaluateConfig(_Section):
     temperature: float = Field(1.0, gt=0, description="temperature of the sampled rollouts")
 
 
+class ReportConfig(_Section):
+    """How the report judges the arms (docs/method.md, "Statistics over seeds"); changes no train or evaluate run."""
+
+    margin: float = Field(0.02, gt=0, le=1, description="delta of the margin verdicts (equivalence, non-inferiority, "
+                          "non-superiority) of held-out avg@k minus grpo: the paper's effect size")
+    target_accuracy: Optional[float] = Field(None, gt=0, le=1, description="accuracy whose crossing the tokens-to-target "
+                                             "table reads; None = the warmup's plus half of grpo's mean gain")
+
+
 class TrackingConfig(_Section):
     tracking_uri: Optional[str] = Field(None, description="MLflow URI; None = env MLFLOW_TRACKING_URI or sqlite:///mlflow.db")
     experiment_name: str = Field("trace-kgqa", min_length=1, description="MLflow experiment (made a model-training one)")
@@ -270,6 +279,7 @@ class Config(_Section):
     update: UpdateConfig = UpdateConfig()
     train: TrainConfig = TrainConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
+    report: ReportConfig = ReportConfig()
     tracking: TrackingConfig = TrackingConfig()
     launch: LaunchConfig = LaunchConfig()
 
@@ -320,11 +330,13 @@ class Config(_Section):
         """sha256 (first 12 hex chars) of the canonical JSON of every param that can change a result.
 
         Left out: the list of arms (``train.ablations``: adding an arm must not invalidate the others),
-        ``train.steps_per_task`` (orchestration only), ``tracking`` and ``launch``.
+        ``train.steps_per_task`` (orchestration only), ``report`` (how results are judged), ``tracking`` and
+        ``launch``.
         """
         data = self.model_dump(mode="json")
         data["train"].pop("ablations", None)
         data["train"].pop("steps_per_task", None)
+        data.pop("report", None)
         data.pop("tracking", None)
         data.pop("launch", None)
         if self._shared_seed is not None and self._shared_seed != self.seed:

@@ -43,7 +43,8 @@ STAGE_PARAMS: dict[str, tuple[str, ...]] = {
               "train.num_steps", "train.checkpoint_every", "train.eval_every", "train.eval_prompts",
               "train.eval_samples", "train.probe_prompts", "train.probe_samples", "evaluate.temperature"),
     "evaluate": ("seed", "task", "policy", "rollout", "evaluate"),
-    "report": ("seed", "train.ablations", "train.seeds", "evaluate.pass_k", "evaluate.num_prompts", "tracking"),
+    "report": ("seed", "train.ablations", "train.seeds", "evaluate.pass_k", "evaluate.num_prompts", "report",
+               "tracking"),
 }
 
 

@@ -18,7 +18,8 @@ import math
 from typing import Mapping, Sequence
 
 from trace.reporting.report_questions import bootstrap_against, bootstrap_gain
-from trace.reporting.statistics import mean_interval, paired_difference, tokens_to_target
+from trace.reporting.statistics import crossing_target, mean_interval, paired_difference, target_refusal, \
+    tokens_to_target_censored
 from trace.tracking.names import EVAL_ACCURACY, EVAL_SAMPLED_ACCURACY, GREEDY_ACCURACY, SUMMARY_METRIC_NAMES, \
     TRAIN_ACCURACY_PREFIX, metric_key, pass_at_k_name, sampled_accuracy_name
 from trace.tracking.runs import finished_runs
@@ -178,11 +179,55 @@ def _warmup_gain(by_seed: Mapping[int, dict], warmup: Mapping[str, float], warmu
     return mean_interval(values, confidence) if values else None
 
 
+def _warmup_accuracy(warmup: Mapping[str, float] | None, column: str, pass_k: int) -> float:
+    """The warmup's held-out accuracy of a ``ACCURACY_COLUMNS`` column, NaN without it."""
+    name = GREEDY_ACCURACY if ACCURACY_COLUMNS[column][0] == "greedy" else sampled_accuracy_name(pass_k)
+    value = (warmup or {}).get(name, (warmup or {}).get(metric_key(name)))
+    return float(value) if value is not None else float("nan")
+
+
+def crossing_targets(results: dict, pass_k: int, warmup: Mapping[str, float] | None,
+                     target_accuracy: float | None = None) -> dict:
+    """Per accuracy column (``eval greedy``, ``eval mean@k``) the tokens-to-target accuracy and why it is
+    refused, if it is.
+
+    Args:
+        results: ``collect_results`` output.
+        pass_k: ``evaluate.pass_k``.
+        warmup: the warmup stage's metrics (its held-out accuracy is where the curves start), or None.
+        target_accuracy: ``report.target_accuracy`` (both columns), or None: the warmup's plus half of
+            ``grpo``'s mean final gain (``trace.reporting.statistics.crossing_target``).
+
+    Returns:
+        ``{column: {"target": float (NaN without one), "warmup": float, "refusal": str or None}}``
+        (``trace.reporting.statistics.target_refusal``; a report without ``grpo`` is refused).
+    """
+    out = {}
+    for column, (_, curve_key) in ACCURACY_COLUMNS.items():
+        start = _warmup_accuracy(warmup, column, pass_k)
+        finals = [final_accuracy(r, curve_key) for r in results.get(BASELINE, {}).values()]
+        target = crossing_target(start, finals, target_accuracy)
+        if not math.isfinite(start) and target_accuracy is None:
+            target = float("nan")
+        # an arm that never evaluated has no curve (its seeds are censored), not a short one
+        counts = [n for by_seed in results.values() for res in by_seed.values()
+                  if (n := len(res["history"].get(curve_key) or []))]
+        refusal = target_refusal(target, start, counts)
+        if target_accuracy is None and BASELINE not in results:
+            refusal = f"no {BASELINE} arm: no baseline gain to halve, and report.target_accuracy is not set"
+        elif target_accuracy is None and not math.isfinite(start):
+            refusal = "no warmup accuracy to start from, and report.target_accuracy is not set"
+        out[column] = {"target": target, "warmup": start, "refusal": refusal}
+    return out
+
+
 def arm_statistics(results: dict, pass_k: int, confidence: float = CONFIDENCE,
                    warmup: Mapping[str, float] | None = None,
-                   warmup_questions: Mapping[str, Mapping[str, float]] | None = None) -> dict:
+                   warmup_questions: Mapping[str, Mapping[str, float]] | None = None,
+                   target_accuracy: float | None = None) -> dict:
     """Per arm: means and intervals over seeds, paired differences against ``grpo`` and gains over the warmup
-    (greedy and avg@k), tokens to grpo's final accuracy (on each in-training curve), and the audit means.
+    (greedy and avg@k), tokens to a target accuracy (on each in-training curve, censored seeds kept), and the
+    audit means.
 
     Args:
         results: ``collect_results`` output, with ``"questions"`` / ``"sampled_questions"`` per seed where its
@@ -191,16 +236,16 @@ def arm_statistics(results: dict, pass_k: int, confidence: float = CONFIDENCE,
         confidence: interval coverage.
         warmup: the warmup stage's metrics (``accuracy/greedy``, ``accuracy/mean_at_<k>``), or None: no gains.
         warmup_questions: the warmup's per-question results (``attach_question_results``), or None.
+        target_accuracy: ``report.target_accuracy``, or None (``crossing_targets``).
 
     Returns:
-        ``{"target": Interval of grpo's final greedy in-training accuracy or None, "target_sampled": the same
-        of its avg@k or None, "arms": {ablation: {"seeds": [..], "columns": {column: Interval}, "vs_grpo":
+        ``{"targets": crossing_targets output, "arms": {ablation: {"seeds": [..], "columns": {column: Interval}, "vs_grpo":
         {column: Interval} (absent for grpo and without grpo; its ``eval greedy`` and ``eval mean@k`` a paired
         bootstrap over questions and seeds where every paired seed has per-question results, else like the
         other columns a paired t-interval over seeds), "vs_trace": the same against ``trace`` (absent for trace
         and without it), "vs_warmup": {"eval greedy", "eval mean@k": Interval}
-        (the columns the warmup has; bootstrap as above), "tokens_to_target" / "tokens_to_target_sampled":
-        Interval over the seeds that reach it or None, "reached" / "reached_sampled": int, "probe_gain": Interval
+        (the columns the warmup has; bootstrap as above), "crossings" / "crossings_sampled":
+        ``TargetCrossings`` of the greedy / avg@k curves (None where the target is refused), "probe_gain": Interval
         over seeds of the last ``probe/gain`` (``train.probe_prompts``) or None, "audit": {key:
         Interval of per-step means} (only keys some seed logged)}}}``.
 
@@ -209,13 +254,7 @@ def arm_statistics(results: dict, pass_k: int, confidence: float = CONFIDENCE,
     """
     per_seed = {abl: {seed: _column_values(res, pass_k) for seed, res in by_seed.items()}
                 for abl, by_seed in results.items()}
-    targets: dict[str, object] = {}
-    for column, (_, curve_key) in ACCURACY_COLUMNS.items():
-        target = None
-        if BASELINE in results:
-            target = mean_interval([final_accuracy(r, curve_key) for r in results[BASELINE].values()], confidence)
-            target = target if target.n else None
-        targets[column] = target
+    targets = crossing_targets(results, pass_k, warmup, target_accuracy)
     arms: dict = {}
     for abl, by_seed in per_seed.items():
         columns = {c: mean_interval([v[c] for v in by_seed.values()], confidence)
@@ -235,15 +274,12 @@ def arm_statistics(results: dict, pass_k: int, confidence: float = CONFIDENCE,
                      for c in ACCURACY_COLUMNS}
             entry["vs_warmup"] = {c: iv for c, iv in gains.items() if iv is not None and iv.n}
         for column, suffix in (("eval greedy", ""), ("eval mean@k", "_sampled")):
-            reached = []
-            if targets[column] is not None:
-                for res in results[abl].values():
-                    curve = accuracy_curve(res, "tokens/cumulative", ACCURACY_COLUMNS[column][1])
-                    hit = tokens_to_target(*curve, targets[column].mean)
-                    if hit is not None:
-                        reached.append(hit)
-            entry["tokens_to_target" + suffix] = mean_interval(reached, confidence) if reached else None
-            entry["reached" + suffix] = len(reached)
+            crossings = None
+            if targets[column]["refusal"] is None:
+                curves = {seed: accuracy_curve(res, "tokens/cumulative", ACCURACY_COLUMNS[column][1])
+                          for seed, res in results[abl].items()}
+                crossings = tokens_to_target_censored(curves, targets[column]["target"])
+            entry["crossings" + suffix] = crossings
         probe = [final_accuracy(res, "probe/gain") for res in results[abl].values()]
         entry["probe_gain"] = mean_interval(probe, confidence) if any(math.isfinite(p) for p in probe) else None
         audit = {}
@@ -254,7 +290,7 @@ def arm_statistics(results: dict, pass_k: int, confidence: float = CONFIDENCE,
                 audit[key] = mean_interval(means, confidence)
         entry["audit"] = audit
         arms[abl] = entry
-    return {"target": targets["eval greedy"], "target_sampled": targets["eval mean@k"], "arms": arms}
+    return {"targets": targets, "arms": arms}
 
 
 def regime_summary(results: dict, warmup: dict, num_eval: int | None, confidence: float = CONFIDENCE,

@@ -1,9 +1,11 @@
 """``reports/summary.md``: the ablation report in words (``trace.reporting.report``'s statistics).
 
-``render_markdown`` states the regime (where warmup left the policy, grpo's gain over it), ranks the arms by
-mean held-out greedy accuracy (ties: effective ratio), and says in words which differences against ``grpo``
-are real (the interval excludes 0), which are within noise and which estimator made each interval
-(docs/method.md, "Statistics over seeds"). The same results give the same bytes.
+``render_markdown`` states the regime (where warmup left the policy, grpo's gain over it), groups the arms by
+whether their held-out avg@k is distinguishable from ``grpo``'s after correction (no rank over differences within
+noise), declares the families of comparisons, and says of every difference the interval(s) that decided it, which
+one did, and its verdict after Holm's correction within its family; the primary comparisons also get their margin
+verdict and power (``trace.reporting.verdicts``, docs/method.md "Statistics over seeds"). The same results give
+the same bytes.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Mapping, Sequence
 
 from trace.reporting.report import AUDIT_KEYS, BASELINE, CONFIDENCE, PAIRED_COLUMNS, arm_statistics, regime_summary
 from trace.reporting.statistics import BOOTSTRAP, BOOTSTRAP_RESAMPLES, Interval
+from trace.reporting.verdicts import ALPHA, DEFAULT_MARGIN, FAMILIES, POWER, Verdict, judge
 
 
 def _regime_lines(regime: dict) -> list[str]:
@@ -28,7 +31,6 @@ def _regime_lines(regime: dict) -> list[str]:
                      f"{format_interval(regime['all_equal'], 3)} over its steps.")
     if "gain" in regime:
         gain = regime["gain"]
-        in_se = f" = {gain.mean / regime['se']:+.1f} standard errors of the evaluation" if regime.get("se") else ""
         judged = verdict(gain)
         if gain.estimator == BOOTSTRAP and gain.has_interval:
             judged += f"; paired bootstrap over the held-out questions and {gain.n} seeds"
@@ -36,7 +38,7 @@ def _regime_lines(regime: dict) -> list[str]:
             judged = ("not judged: this t-interval over seeds leaves out the warmup evaluation's own error, "
                       "and there are no per-question results to bootstrap")
         lines.append(f"- {BASELINE}'s gain in held-out greedy accuracy over warmup: "
-                     f"{format_interval(gain, 3, True, True)}{in_se} ({judged}).")
+                     f"{format_interval(gain, 3, True, True)} ({judged}).")
     if "warmup_sampled" in regime:
         lines.append(f"- Held-out avg@{regime['pass_k']} after warmup (mean reward of {regime['pass_k']} sampled "
                      f"rollouts per question, DeepScaleR's / verl's mean@k): **{regime['warmup_sampled']:.3f}**.")
@@ -105,26 +107,110 @@ def _seeds_line(results: dict, confidence: float) -> str:
             "no interval).")
 
 
-def _estimators_line(arms: dict, paired: list[str], confidence: float) -> str:
-    """The sentence under "Against grpo": which estimator made the intervals of the table."""
-    head = f"Paired differences (arm minus {BASELINE} at the same seed), mean and {confidence:.0%} "
-    booted = {c: [a for a in paired if arms[a]["vs_grpo"][c].estimator == BOOTSTRAP] for c in ("eval greedy", "eval mean@k")}
-    if not any(booted.values()):
-        return head + "t-interval; a difference is real only when its interval excludes 0."
-    names = [f"Δ {c}" + ("" if len(arms_) == len(paired) else f" for {', '.join(arms_)}")
-             for c, arms_ in booted.items() if arms_]
-    return (head + f"interval: {' and '.join(names)} by a paired bootstrap over the held-out questions and seeds "
-            f"(percentile interval of {BOOTSTRAP_RESAMPLES:,} resamples, evaluation noise included), the other "
-            "columns by a t-interval over seeds. A difference is real only when its interval excludes 0; a "
-            "bootstrap interval also needs the t-interval over seeds to exclude 0 (a percentile interval of few "
-            "seeds understates their spread).")
+def _rule_lines(arms: dict, judged: dict, margin: float, confidence: float) -> list[str]:
+    """The declared families and the rule every verdict of the report follows."""
+    sizes = {}
+    for verdict in judged["verdicts"].values():
+        sizes[verdict.family] = verdict.family_size
+    families = "; ".join(f"{name} ({sizes.get(name, 0)})" for name, _, _ in FAMILIES)
+    return [f"Paired differences (arm minus the other at the same seed), mean and {confidence:.0%} intervals: a "
+            f"t-interval over seeds, and where per-question results exist also a paired bootstrap over the held-out "
+            f"questions and seeds (percentile interval of {BOOTSTRAP_RESAMPLES:,} resamples). A difference is real "
+            "only when every one of its intervals excludes 0; its p-value is the larger of theirs, and the interval "
+            "that gave it is named (\"decided by\"). Families, each corrected by Holm's step-down at "
+            f"{ALPHA:.0%} (number of comparisons): {families}. *Real after correction*: Holm's adjusted p below "
+            f"{ALPHA:.2f}; *real before correction only*: every interval excludes 0 but not after correction.",
+            "",
+            f"Primary comparisons against the margin delta = {margin:g} (`report.margin`), read on the hull of "
+            f"their intervals at the family-wise level 1 - {ALPHA:g}/m: *better by >= delta* (lower end >= delta), "
+            "*worse* (upper end < 0), *equivalent within ±delta* (inside (-delta, +delta): two one-sided tests), "
+            "*not worse (non-inferior)* (lower end > -delta), *not better by delta (non-superior)* (upper end < "
+            "delta), else *undecided*."]
+
+
+def _decided(iv: Interval, verdict: Verdict | None, digits: int) -> str:
+    """A difference with every interval that decided it, the one that did, and its verdict."""
+    if iv.n == 0:
+        return "no value"
+    if not iv.has_interval:
+        return f"{_num(iv.mean, digits, True)} (one seed, no interval)"
+    shown = [f"t over seeds [{_num(iv.low, digits, True)}, {_num(iv.high, digits, True)}]"]
+    if iv.estimator == BOOTSTRAP:
+        t = iv.seed_interval
+        shown = [f"bootstrap [{_num(iv.low, digits, True)}, {_num(iv.high, digits, True)}]"]
+        if t is not None and t.has_interval:
+            shown.append(f"t over seeds [{_num(t.low, digits, True)}, {_num(t.high, digits, True)}]")
+    text = f"{_num(iv.mean, digits, True)}, " + ", ".join(shown)
+    if verdict is None or not math.isfinite(verdict.p):
+        return text + f" ({verdict_words(iv)})"
+    by = "the bootstrap" if verdict.decided_by == BOOTSTRAP else "t over seeds"
+    return (text + f"; decided by {by}, p {verdict.p:.3f}, Holm {verdict.p_adjusted:.3f} of "
+            f"{verdict.family_size} ({verdict.words})")
+
+
+def _compact(iv: Interval, verdict_: Verdict | None, digits: int) -> str:
+    """A table cell: the mean, the bootstrap interval (where there is one) and the t-interval over seeds, the
+    one that decided marked with *, and the verdict after correction."""
+    if not iv.has_interval:
+        return format_interval(iv, digits, True, True)
+    t = iv.seed_interval if iv.estimator == BOOTSTRAP else iv
+    by = verdict_.decided_by if verdict_ is not None else None
+    parts = []
+    if iv.estimator == BOOTSTRAP:
+        parts.append(f"b [{_num(iv.low, digits, True)}, {_num(iv.high, digits, True)}]" + ("*" if by == BOOTSTRAP else ""))
+    if t is not None and t.has_interval:
+        parts.append(f"t [{_num(t.low, digits, True)}, {_num(t.high, digits, True)}]" + ("*" if by != BOOTSTRAP else ""))
+    words = verdict_.words if verdict_ is not None else verdict(iv)
+    return f"{_num(iv.mean, digits, True)} " + " ".join(parts) + f" {words}"
+
+
+def verdict_words(iv: Interval) -> str:
+    """``verdict`` of a difference that belongs to no family."""
+    return verdict(iv)
+
+
+def _primary_lines(arms: dict, judged: dict, order: Sequence[str], margin: float, pass_k: int,
+                   num_eval: int | None) -> list[str]:
+    """The primary family: each arm's margin verdict and its power."""
+    rows = [a for a in order if a in judged["margins"] or a in judged["power"]]
+    if not rows:
+        return []
+    lines = ["", f"## Primary comparison: held-out avg@{pass_k} minus {BASELINE}", "",
+             f"The verdict against delta = {margin:g}, on the interval at the family-wise level, and the power: the "
+             f"minimum detectable difference (MDD) at {POWER:.0%} power, two-sided {ALPHA:.0%}, of the t-test over "
+             "seeds and of the bootstrap (both must reject), the seeds that bring the seed component's MDD to delta "
+             "(questions unchanged) and the questions that bring the question component's (the bootstrap's variance "
+             "beyond the seed interval's) to delta.", "",
+             "| arm | difference | verdict (delta) | interval read | MDD | MDD seeds | MDD bootstrap | seeds for delta "
+             "| questions for delta |", "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for abl in rows:
+        iv = arms[abl]["vs_grpo"]["eval mean@k"]
+        words, low, high = judged["margins"].get(abl, ("undecided", float("nan"), float("nan")))
+        pw = judged["power"].get(abl)
+        if pw is None:
+            power_cells = ["nan"] * 5
+        else:
+            seeds = str(pw.seeds_needed) if pw.seeds_needed is not None else "more than 1000"
+            if not math.isfinite(pw.questions_factor):
+                questions = "not recorded"
+            elif num_eval:
+                questions = f"{math.ceil(pw.questions_factor * num_eval):,}"
+            else:
+                questions = f"x{pw.questions_factor:.2f}"
+            power_cells = [_num(pw.mdd, 3), _num(pw.mdd_seeds, 3), _num(pw.mdd_bootstrap, 3), seeds, questions]
+        lines.append(f"| {abl} | {_num(iv.mean, 3, True)} | {words} | [{_num(low, 3, True)}, {_num(high, 3, True)}] | "
+                     + " | ".join(power_cells) + " |")
+    return lines
 
 
 def render_markdown(results: dict, warmup: dict, pass_k: int, links: dict[str, str] | None = None,
                     plots: Sequence[str] = (), confidence: float = CONFIDENCE, num_eval: int | None = None,
-                    warmup_questions: Mapping[str, Mapping[str, float]] | None = None) -> str:
-    """``reports/summary.md``: the arms ranked by mean held-out greedy accuracy, the paired differences
-    against ``grpo`` in words, tokens to grpo's final accuracy, the audit means, then the MLflow ``links``.
+                    warmup_questions: Mapping[str, Mapping[str, float]] | None = None,
+                    margin: float = DEFAULT_MARGIN, target_accuracy: float | None = None) -> str:
+    """``reports/summary.md``: the arms grouped against ``grpo``, the rule and families, the primary comparison
+    (margin verdicts, power), the paired differences against ``grpo`` with the intervals that decided them,
+    gains over warmup, tokens to a target accuracy (censored seeds stated), the audit means, then the MLflow
+    ``links``.
 
     Args:
         results: ``collect_results`` output.
@@ -135,70 +221,88 @@ def render_markdown(results: dict, warmup: dict, pass_k: int, links: dict[str, s
         confidence: interval coverage.
         num_eval: held-out questions of an evaluation (``evaluate.num_prompts``), for standard errors.
         warmup_questions: the warmup's per-question results (``attach_question_results``), or None.
+        margin: delta of the margin verdicts (``report.margin``).
+        target_accuracy: ``report.target_accuracy``, or None.
 
     Returns:
         The markdown text; a missing value shows as ``nan``.
     """
-    stats = arm_statistics(results, pass_k, confidence, warmup, warmup_questions)
+    stats = arm_statistics(results, pass_k, confidence, warmup, warmup_questions, target_accuracy)
     arms = stats["arms"]
-    order = sorted(arms, key=lambda a: tuple(-(x if math.isfinite(x) else -1.0) for x in (
-        arms[a]["columns"]["eval greedy"].mean, arms[a]["columns"]["effective ratio"].mean)))
+    judged = judge(arms, margin)
+    rank = {"above": 0, "as": 1, "below": 2}
+    order = sorted(arms, key=lambda a: (rank[judged["groups"][a].split()[0]], a != BASELINE, a))
     columns = list(next(iter(arms.values()))["columns"]) if arms else []
     regime = {**regime_summary(results, warmup, num_eval, confidence, warmup_questions, pass_k), "pass_k": pass_k}
     lines = ["# Ablation report", "", *_regime_lines(regime),
              _seeds_line(results, confidence), "",
-             "Ranked by mean held-out greedy accuracy after RL (ties: effective ratio). Training columns are "
-             "means over steps;", "every arm samples the same number of trajectories per step.", "",
-             f"| rank | ablation | eval greedy | eval mean@{pass_k} | eval pass@{pass_k} | effective ratio | "
+             f"Grouped by held-out {'avg@' + str(pass_k) if judged['group_column'] == 'eval mean@k' else 'greedy accuracy'}"
+             f" against {BASELINE} after Holm's correction (above, as, below {BASELINE}; no order within a group). "
+             "Training columns are means over steps;", "every arm samples the same number of trajectories per step.", "",
+             f"| group | ablation | eval greedy | eval mean@{pass_k} | eval pass@{pass_k} | effective ratio | "
              "effective token ratio | active prompts | train reward | generated tokens | trajectories/step | "
              "s/step |", "|---:|---|" + "---:|" * len(columns or range(10))]
-    for i, abl in enumerate(order, 1):
+    for abl in order:
         cells = [format_interval(arms[abl]["columns"][c], _digits(c)) for c in columns]
-        lines.append(f"| {i} | {abl} | " + " | ".join(cells) + " |")
+        lines.append(f"| {judged['groups'][abl]} | {abl} | " + " | ".join(cells) + " |")
     paired = [a for a in order if "vs_grpo" in arms[a]]
     if paired:
-        lines += ["", f"## Against {BASELINE}", "", _estimators_line(arms, paired, confidence), "",
+        lines += ["", "## The rule", "", *_rule_lines(arms, judged, margin, confidence)]
+        lines += _primary_lines(arms, judged, paired, margin, pass_k, num_eval)
+        lines += ["", f"## Against {BASELINE}", "",
                   "| ablation | " + " | ".join(f"Δ {c.replace('@k', f'@{pass_k}')}" for c, _ in PAIRED_COLUMNS)
                   + " |",
                   "|---|" + "---:|" * len(PAIRED_COLUMNS)]
         for abl in paired:
             d = arms[abl]["vs_grpo"]
-            lines.append(f"| {abl} | " + " | ".join(format_interval(d[c], _digits(c), True, True)
+            lines.append(f"| {abl} | " + " | ".join(_compact(d[c], judged["verdicts"].get((abl, "vs_grpo", c)), _digits(c))
                                                     for c, _ in PAIRED_COLUMNS) + " |")
         lines.append("")
         for abl in paired:
             d = arms[abl]["vs_grpo"]
-            parts = [f"{words} {format_interval(d[c], _digits(c), True, True)} ({verdict(d[c])})"
+            parts = [f"{words} {_decided(d[c], judged['verdicts'].get((abl, 'vs_grpo', c)), _digits(c))}"
                      for c, words in PAIRED_COLUMNS]
             lines.append(f"- {abl} against {BASELINE}: " + "; ".join(parts) + ".")
     gained = [a for a in order if arms[a].get("vs_warmup")]
     if gained:
         lines += ["", "## Gain over warmup", "",
-                  f"Held-out accuracy after RL minus the warmup policy's, mean and {confidence:.0%} interval: a paired "
+                  f"Held-out accuracy after RL minus the warmup policy's, mean and {confidence:.0%} intervals: a paired "
                   "bootstrap over the held-out questions and seeds where per-question results exist (the warmup's "
-                  "own evaluation error included), real only when it and the t-interval over seeds both exclude 0. "
+                  "own evaluation error included) and the t-interval over seeds, with the one that decided and the "
+                  "verdict after Holm's correction within the family of gains. "
                   f"Greedy: one rollout at temperature 0 (Search-R1's exact match); avg@{pass_k}: the mean reward of "
                   f"{pass_k} sampled rollouts per question (DeepScaleR's avg@k, verl's mean@k).", "",
                   f"| ablation | Δ greedy | Δ avg@{pass_k} |", "|---|---:|---:|"]
         for abl in gained:
             g = arms[abl]["vs_warmup"]
             lines.append(f"| {abl} | " + " | ".join(
-                f"{format_interval(g[c], 3, True, True)} ({verdict(g[c])})" if c in g else "nan"
+                _decided(g[c], judged["verdicts"].get((abl, "vs_warmup", c)), 3) if c in g else "nan"
                 for c in ("eval greedy", "eval mean@k")) + " |")
-    for target, suffix, key, what in ((stats["target"], "", "accuracy/eval", "greedy accuracy"),
-                                      (stats["target_sampled"], "_sampled", "accuracy/eval_sampled", "avg@k")):
-        if target is None:
+    for column, suffix, key, what in (("eval greedy", "", "accuracy/eval", "greedy accuracy"),
+                                      ("eval mean@k", "_sampled", "accuracy/eval_sampled", f"avg@{pass_k}")):
+        target = stats["targets"][column]
+        if not math.isfinite(target["warmup"]) and target_accuracy is None and BASELINE not in arms:
             continue
-        lines += ["", "## Sample efficiency" + ("" if not suffix else ", avg@k"), "",
-                  f"Generated tokens to reach {BASELINE}'s final in-training held-out {what} "
-                  f"({format_interval(target, 3)}, mean over seeds of its last `{key}`): per seed the "
-                  "first crossing of accuracy against cumulative generated tokens, linearly interpolated; mean "
-                  "over the seeds that reach it.", "",
-                  f"| ablation | tokens to {_num(target.mean, 3)} | seeds reaching |", "|---|---:|---:|"]
+        how = (f"`report.target_accuracy` {target['target']:.3f}" if target_accuracy is not None else
+               f"the warmup's {_num(target['warmup'], 3)} plus half of {BASELINE}'s mean gain in final in-training "
+               f"{what}")
+        lines += ["", "## Sample efficiency" + ("" if not suffix else f", avg@{pass_k}"), ""]
+        if target["refusal"] is not None:
+            lines.append(f"Tokens to a target {what} ({how}): not reported, {target['refusal']}.")
+            continue
+        lines += [f"Generated tokens until the in-training held-out {what} (`{key}`) first reaches "
+                  f"{target['target']:.3f} ({how}): per seed the first crossing of accuracy against cumulative "
+                  "generated tokens, linearly interpolated; a seed that never reaches it is censored at its last "
+                  "tokens (kept, counted above every crossing); the median over all seeds (none while half or more "
+                  "are censored).", "",
+                  f"| ablation | median tokens to {target['target']:.3f} | seeds reaching | per seed |",
+                  "|---|---:|---:|---|"]
         for abl in order:
-            hit = arms[abl]["tokens_to_target" + suffix]
-            shown = format_interval(hit, 0) if hit is not None else "not reached"
-            lines.append(f"| {abl} | {shown} | {arms[abl]['reached' + suffix]}/{len(arms[abl]['seeds'])} |")
+            hits = arms[abl]["crossings" + suffix]
+            per_seed = [f"s{s}: {_num(v, 0)}" for s, v in hits.reached.items()] + \
+                [f"s{s}: > {_num(v, 0)} (censored)" for s, v in hits.censored.items()]
+            median = _num(hits.median, 0) if math.isfinite(hits.median) else "not reached by half the seeds"
+            lines.append(f"| {abl} | {median} | {len(hits.reached)}/{hits.num_seeds} | {', '.join(sorted(per_seed))} |")
     probed = [a for a in order if arms[a]["probe_gain"] is not None]
     if probed:
         lines += ["", "## Probe", "",

@@ -270,6 +270,136 @@ def tokens_to_target(tokens: Sequence[float], accuracy: Sequence[float], target:
     return None
 
 
+def interval_from_dict(data: Mapping | None) -> Interval | None:
+    """An ``Interval`` from its ``reports/metrics.json`` form (``{"mean", "low", "high", "n", "estimator",
+    "seed_interval"}``, null bounds for undefined ones; ``trace.reporting.report_json``), so a committed report's
+    differences can be judged again (``trace.reporting.verdicts``).
+
+    Args:
+        data: the JSON object, or None.
+
+    Returns:
+        The interval at 0.95 (the report's coverage), or None for None or an object without a finite mean.
+    """
+    if not data or not isinstance(data.get("mean"), (int, float)):
+        return None
+    nan = float("nan")
+    value = lambda key: float(data[key]) if isinstance(data.get(key), (int, float)) else nan  # noqa: E731
+    return Interval(value("mean"), value("low"), value("high"), int(data.get("n") or 0), 0.95,
+                    str(data.get("estimator") or T_INTERVAL), interval_from_dict(data.get("seed_interval")))
+
+
+MIN_EVALUATIONS = 3  # a curve with fewer evaluations cannot place a crossing: tokens to target is refused
+
+
+@dataclass(frozen=True)
+class TargetCrossings:
+    """One arm's generated tokens to a target accuracy over its seeds, censored seeds kept.
+
+    Attributes:
+        target: the accuracy to reach.
+        reached: seed -> tokens at the first crossing (``tokens_to_target``).
+        censored: seed -> the tokens its curve ended at without reaching the target (right-censored: the
+            crossing, if any, lies beyond).
+        median: the median over all seeds, a censored seed counted above every crossing; NaN when half the
+            seeds or more are censored (the median is then beyond the runs).
+    """
+
+    target: float
+    reached: dict[int, float]
+    censored: dict[int, float]
+    median: float
+
+    @property
+    def num_seeds(self) -> int:
+        return len(self.reached) + len(self.censored)
+
+
+def crossing_target(warmup: float, baseline_finals: Sequence[float], declared: float | None = None) -> float:
+    """The accuracy whose crossing the sample-efficiency table reads: ``declared`` when given, else the warmup
+    plus half of the baseline's mean gain, ``warmup + (mean(baseline_finals) - warmup) / 2``.
+
+    Half the gain is reached early and on the steep part of the baseline's curve, where most of its seeds
+    cross it; the baseline's own final mean (which it reaches at about half its seeds, by construction) is not
+    used.
+
+    Args:
+        warmup: the warmup policy's held-out accuracy (the curves' start).
+        baseline_finals: the baseline's (``grpo``'s) final in-training accuracy per seed; non-finite left out.
+        declared: ``report.target_accuracy``, or None.
+
+    Returns:
+        The target accuracy (NaN without a finite final and no ``declared``).
+
+    References:
+        docs/method.md, "Statistics over seeds" (tokens to a target accuracy).
+    """
+    if declared is not None:
+        return float(declared)
+    finals = _finite(baseline_finals)
+    return float(warmup + (finals.mean() - warmup) / 2.0) if finals.size else float("nan")
+
+
+def target_refusal(target: float, warmup: float, num_evaluations: Sequence[int]) -> str | None:
+    """Why tokens to ``target`` must not be reported, or None when it may.
+
+    Args:
+        target: the accuracy to reach (``crossing_target``).
+        warmup: the warmup's accuracy, where every curve starts.
+        num_evaluations: per curve (arm and seed) its number of in-training evaluations.
+
+    Returns:
+        A reason when the target is not finite, at or below ``warmup`` (every policy "reaches" it at its first
+        evaluation, so the number measures tokens per evaluation interval), or a curve has fewer than
+        ``MIN_EVALUATIONS`` evaluations (too few to place a crossing); None otherwise.
+    """
+    if not math.isfinite(target):
+        return "no target: the baseline has no final in-training accuracy and none is declared"
+    if math.isfinite(warmup) and target <= warmup:
+        return (f"the target {target:.3f} is at or below the warmup's {warmup:.3f}: every curve starts at or "
+                "above it, so the tokens would measure the first evaluation interval, not learning")
+    if num_evaluations and min(num_evaluations) < MIN_EVALUATIONS:
+        return (f"a curve has {min(num_evaluations)} in-training evaluations, fewer than {MIN_EVALUATIONS}: too "
+                "few to place a crossing (lower train.eval_every)")
+    return None
+
+
+def tokens_to_target_censored(curves: Mapping[int, tuple[Sequence[float], Sequence[float]]],
+                              target: float) -> TargetCrossings:
+    """Per seed the first crossing of ``target`` (``tokens_to_target``), a seed that never reaches it kept as
+    censored at its curve's last tokens, and the median over all seeds.
+
+    Args:
+        curves: seed -> ``(cumulative generated tokens, accuracy)`` at its evaluations, shape (E,) each.
+        target: the accuracy to reach.
+
+    Returns:
+        ``TargetCrossings``; the median is the middle of the seeds ordered by crossing, every censored seed
+        after every crossing (defined while fewer than half the seeds are censored).
+
+    References:
+        Kaplan & Meier, "Nonparametric estimation from incomplete observations", JASA 53(282) (1958): with
+        right-censored times the median is read where the estimated survival falls to 1/2; with censoring after
+        every event, as here, that is the order statistic.
+    """
+    reached: dict[int, float] = {}
+    censored: dict[int, float] = {}
+    for seed in sorted(curves):
+        tokens, accuracy = curves[seed]
+        hit = tokens_to_target(tokens, accuracy, target)
+        if hit is None:
+            censored[seed] = float(tokens[-1]) if len(tokens) else float("nan")
+        else:
+            reached[seed] = hit
+    n = len(reached) + len(censored)
+    median = float("nan")
+    if n and len(censored) * 2 < n:
+        ordered = sorted(reached.values()) + [math.inf] * len(censored)
+        median = ordered[(n - 1) // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+        median = median if math.isfinite(median) else float("nan")
+    return TargetCrossings(float(target), reached, censored, float(median))
+
+
 def common_grid(curves: Sequence[tuple[Sequence[float], Sequence[float]]], num: int = 50) -> np.ndarray:
     """``num`` evenly spaced x values on which every curve is defined: from the largest first x to the
     smallest last x of the curves.

@@ -1,0 +1,451 @@
+"""Verdicts on the report's paired differences: p-values from the intervals that decide them, declared
+families with Holm's step-down correction, equivalence and non-superiority against a margin, and power.
+
+Pure functions of ``trace.reporting.statistics.Interval`` (numpy and ``scipy.stats``); the report
+(``trace.reporting.report_markdown``, ``report_json``) and the docs tables (``scripts.docs_tables_runs``, which
+rebuild the intervals from a committed ``metrics.json``) call the same functions, so they decide alike.
+docs/method.md, "Statistics over seeds", states the rule; in short:
+
+- A difference has one or two intervals: the t-interval over seeds, and where per-question results exist the
+  paired bootstrap over questions and seeds (``Interval.seed_interval`` is then the t-interval). It is real only
+  when every one of its intervals excludes 0.
+- Its p-value is the largest of its intervals' two-sided p-values (both must reject, so the larger one decides,
+  and ``deciding_p`` names it). A t-interval's p is exact: ``se = half-width / t_{(1+c)/2, n-1}``, ``p = 2 P(T_{n-1}
+  > |mean| / se)``. A bootstrap interval's p is the normal one of its near side (``se = (mean - low) / z_{(1+c)/2}``
+  for a positive mean, ``(high - mean) / z`` for a negative one): it needs only the stored interval, so a report
+  and a table rebuilt from its ``metrics.json`` give the same p, and ``p < 1 - c`` exactly when that percentile
+  interval excludes 0 (the mean over S x Q cells is near normal; the bootstrap distribution itself is not kept).
+- Families (``FAMILIES``): the primary one is held-out avg@k, each arm minus ``grpo``; the secondary ones are greedy,
+  effective ratio (and effective token ratio), generated tokens (each minus ``grpo``), every column minus
+  ``trace``, and the gains over the warmup. Holm's step-down (``holm``) adjusts the p-values within each family;
+  "real after correction" means an adjusted p below ``ALPHA``.
+- Against a margin ``delta`` (``report.margin``), each primary comparison gets one of ``MARGIN_WORDS``
+  (``margin_verdict``), read on its deciding interval widened to the family-wise level ``1 - ALPHA / m``
+  (Bonferroni over the m primary comparisons; equivalence this way is TOST at ``ALPHA / (2 m)`` per side).
+- Power (``power_of``): the minimum detectable difference at 80 % power, two-sided 5 %, from the seed component
+  (the t-interval's standard error, exact with the noncentral t) and the question component (the bootstrap's
+  variance beyond the seed interval's), and the seeds and questions each component needs to reach ``delta``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+from trace.reporting.statistics import BOOTSTRAP, Interval
+
+ALPHA = 0.05  # family-wise error rate of every family, and the two-sided level of the power calculation
+POWER = 0.80  # the power the minimum detectable difference is computed at
+DEFAULT_MARGIN = 0.02  # report.margin: the paper's effect size in held-out accuracy (docs/method.md)
+MAX_SEEDS = 1_000  # seeds_needed searches up to this many seeds
+# (name, versus key of arm_statistics, columns): the report's families, the primary one first
+PRIMARY = "primary: held-out avg@k minus grpo"
+FAMILIES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    (PRIMARY, "vs_grpo", ("eval mean@k",)),
+    ("greedy minus grpo", "vs_grpo", ("eval greedy",)),
+    ("effective ratio minus grpo", "vs_grpo", ("effective ratio", "effective token ratio")),
+    ("generated tokens minus grpo", "vs_grpo", ("generated tokens",)),
+    ("minus trace", "vs_trace", ("eval mean@k", "eval greedy", "effective ratio", "effective token ratio",
+                                 "generated tokens")),
+    ("gain over warmup", "vs_warmup", ("eval mean@k", "eval greedy")),
+)
+BETTER, WORSE, EQUIVALENT, NOT_WORSE, NOT_BETTER, UNDECIDED = (
+    "better by >= delta", "worse", "equivalent within ±delta", "not worse (non-inferior)",
+    "not better by delta (non-superior)", "undecided")
+MARGIN_WORDS = (BETTER, WORSE, EQUIVALENT, NOT_WORSE, NOT_BETTER, UNDECIDED)
+
+
+def _z(q: float) -> float:
+    from scipy.stats import norm
+
+    return float(norm.ppf(q))
+
+
+def _quantile(q: float, df: float) -> float:
+    """The q-quantile of Student's t with ``df`` degrees of freedom (the normal one for ``df = inf``)."""
+    from scipy.stats import t
+
+    return _z(q) if math.isinf(df) else float(t.ppf(q, df))
+
+
+def standard_errors(iv: Interval) -> tuple[float, float, float]:
+    """``(se below the mean, se above it, degrees of freedom)`` that reproduce one interval (not its
+    ``seed_interval``).
+
+    Args:
+        iv: a t-interval over ``n`` seeds (df ``n - 1``, symmetric) or a bootstrap percentile interval (df
+            ``inf``: its near sides read as normal ones, which may differ).
+
+    Returns:
+        NaNs without an interval (``n < 2``).
+
+    References:
+        docs/method.md, "Statistics over seeds" (p-values from the intervals).
+    """
+    nan = float("nan")
+    if not iv.has_interval or not all(math.isfinite(x) for x in (iv.mean, iv.low, iv.high)):
+        return nan, nan, nan
+    df = math.inf if iv.estimator == BOOTSTRAP else float(iv.n - 1)
+    q = _quantile((1.0 + iv.confidence) / 2.0, df)
+    return (iv.mean - iv.low) / q, (iv.high - iv.mean) / q, df
+
+
+def p_value(iv: Interval) -> float:
+    """Two-sided p-value of "the difference is 0" from one interval (``standard_errors``): ``2 P(T_df >
+    |mean| / se)`` with ``se`` the standard error on the side of 0.
+
+    Args:
+        iv: a t or bootstrap interval (its ``seed_interval`` is not read: ``deciding_p`` reads both).
+
+    Returns:
+        p in [0, 1]; NaN without an interval. ``p < 1 - iv.confidence`` exactly when ``iv`` excludes 0.
+
+    References:
+        Student (1908); the inversion of a confidence interval into a test (Casella & Berger, "Statistical
+        Inference", 2nd ed., section 9.2.1).
+    """
+    from scipy.stats import norm, t
+
+    se_low, se_high, df = standard_errors(iv)
+    if not math.isfinite(se_low + se_high):
+        return float("nan")
+    se = se_low if iv.mean > 0 else se_high
+    if se <= 0:
+        return 1.0 if iv.mean == 0 else 0.0
+    stat = abs(iv.mean) / se
+    return float(min(1.0, 2.0 * (norm.sf(stat) if math.isinf(df) else t.sf(stat, df))))
+
+
+def deciding_p(iv: Interval) -> tuple[float, str]:
+    """The p-value of a difference and the estimator that gave it: the larger of its interval's and its
+    ``seed_interval``'s (a difference is real only when both exclude 0, so the weaker one decides).
+
+    Args:
+        iv: a paired difference (``paired_difference`` or ``paired_bootstrap``).
+
+    Returns:
+        ``(p, "t" or "bootstrap")``; ``(NaN, estimator)`` without an interval.
+    """
+    candidates = [(p_value(iv), iv.estimator)]
+    if iv.seed_interval is not None:
+        candidates.append((p_value(iv.seed_interval), iv.seed_interval.estimator))
+    if any(math.isnan(p) for p, _ in candidates):
+        return float("nan"), iv.estimator
+    return max(candidates, key=lambda c: c[0])
+
+
+def widened(iv: Interval, confidence: float) -> tuple[float, float]:
+    """One interval's bounds at another coverage, from its ``standard_errors`` (NaNs without an interval)."""
+    se_low, se_high, df = standard_errors(iv)
+    q = _quantile((1.0 + confidence) / 2.0, df) if math.isfinite(se_low) else float("nan")
+    return iv.mean - q * se_low, iv.mean + q * se_high
+
+
+def deciding_bounds(iv: Interval, confidence: float) -> tuple[float, float]:
+    """The hull of a difference's intervals (its own and its ``seed_interval``) at ``confidence``: the range
+    every one of them allows, which the margin verdicts read."""
+    bounds = [widened(iv, confidence)] + ([widened(iv.seed_interval, confidence)] if iv.seed_interval else [])
+    return min(b[0] for b in bounds), max(b[1] for b in bounds)
+
+
+def holm(p_values: Mapping[str, float]) -> dict[str, float]:
+    """Holm's step-down adjusted p-values of one family.
+
+    Sorted ascending, ``p_(1) <= ... <= p_(m)``, the adjusted value of the i-th is
+    ``max_{j <= i} min(1, (m - j + 1) p_(j))``; a hypothesis is rejected at family-wise level ``alpha`` when
+    its adjusted p is below ``alpha`` (the same as Holm's sequential rule). NaN p-values (no interval) are
+    left out of ``m`` and stay NaN. Ties keep the input order.
+
+    Args:
+        p_values: name -> raw p in [0, 1] (or NaN).
+
+    Returns:
+        name -> adjusted p, in the input's order.
+
+    References:
+        Holm, "A simple sequentially rejective multiple test procedure", Scandinavian Journal of Statistics 6(2)
+        (1979); the adjusted p-values of Wright, "Adjusted p-values for simultaneous inference", Biometrics
+        48(4) (1992).
+    """
+    finite = sorted(((p, i, name) for i, (name, p) in enumerate(p_values.items()) if not math.isnan(p)))
+    m = len(finite)
+    out = {name: float("nan") for name in p_values}
+    running = 0.0
+    for j, (p, _, name) in enumerate(finite):
+        running = max(running, min(1.0, (m - j) * p))
+        out[name] = running
+    return out
+
+
+def margin_verdict(low: float, high: float, margin: float) -> str:
+    """One of ``MARGIN_WORDS`` for a difference whose deciding interval is ``[low, high]``.
+
+    In this order: ``low >= margin`` better by >= delta; ``high < 0`` worse; ``-margin < low`` and ``high <
+    margin`` equivalent within ±delta (the two one-sided tests both reject); ``low > -margin`` not worse
+    (non-inferior); ``high < margin`` not better by delta (non-superior); otherwise undecided.
+
+    Args:
+        low: lower bound (NaN: undecided).
+        high: upper bound.
+        margin: delta > 0, in the difference's unit.
+
+    Raises:
+        ValueError: ``margin <= 0``.
+
+    References:
+        Schuirmann, "A comparison of the two one-sided tests procedure and the power approach for assessing the
+        equivalence of average bioavailability", J. Pharmacokinetics and Biopharmaceutics 15(6) (1987): TOST as
+        an interval inside ``(-delta, delta)``. Walker & Nowacki, "Understanding equivalence and noninferiority
+        testing", J. General Internal Medicine 26(2) (2011).
+    """
+    if not margin > 0:
+        raise ValueError(f"the margin must be positive, got {margin!r} (report.margin in params.yaml)")
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return UNDECIDED
+    if low >= margin:
+        return BETTER
+    if high < 0:
+        return WORSE
+    if low > -margin and high < margin:
+        return EQUIVALENT
+    if low > -margin:
+        return NOT_WORSE
+    if high < margin:
+        return NOT_BETTER
+    return UNDECIDED
+
+
+def minimum_detectable_difference(se: float, df: float, alpha: float = ALPHA, power: float = POWER) -> float:
+    """The smallest true difference a two-sided test at ``alpha`` rejects with probability ``power``.
+
+    With ``df`` finite, the noncentrality ``d / se`` at which the noncentral t (``df``) exceeds the critical
+    value ``t_{1 - alpha/2, df}`` with probability ``power`` (the far tail left out); with ``df = inf``,
+    ``(z_{1 - alpha/2} + z_{power}) se``.
+
+    Args:
+        se: the difference's standard error (> 0), e.g. ``standard_errors``.
+        df: degrees of freedom (``n - 1`` seeds, or ``inf``).
+        alpha: two-sided level in (0, 1).
+        power: in (0, 1).
+
+    Returns:
+        The difference, in ``se``'s unit; NaN for a non-finite or non-positive ``se`` or ``df < 1``.
+
+    References:
+        Cohen, "Statistical Power Analysis for the Behavioral Sciences", 2nd ed. (1988), ch. 2 (the t-test's
+        power through the noncentral t).
+    """
+    from scipy.optimize import brentq
+    from scipy.stats import nct
+
+    if not (math.isfinite(se) and se > 0 and df >= 1):
+        return float("nan")
+    if math.isinf(df):
+        return (_z(1 - alpha / 2) + _z(power)) * se
+    crit = _quantile(1 - alpha / 2, df)
+    noncentrality = brentq(lambda nc: float(nct.sf(crit, df, nc)) - power, 0.0, 1e3)
+    return noncentrality * se
+
+
+@dataclass(frozen=True)
+class Power:
+    """The power of one paired comparison at its observed variance.
+
+    Attributes:
+        mdd: minimum detectable difference at ``POWER``, two-sided ``ALPHA``: the larger of ``mdd_seeds`` and
+            ``mdd_bootstrap`` (both intervals must exclude 0).
+        mdd_seeds: that of the t-test over seeds (noncentral t, ``n - 1`` df).
+        mdd_bootstrap: that of the bootstrap interval (normal), NaN without one.
+        question_se: the question component's standard error ``sqrt(se_boot^2 - se_t^2)`` (0 when the bootstrap
+            is not wider), NaN without a bootstrap interval.
+        seeds_needed: seeds at which ``mdd_seeds`` reaches the margin, the question count unchanged (None:
+            not within ``MAX_SEEDS``).
+        questions_factor: the multiple of the present held-out questions at which the question component alone
+            detects the margin (NaN without a bootstrap interval).
+    """
+
+    mdd: float
+    mdd_seeds: float
+    mdd_bootstrap: float
+    question_se: float
+    seeds_needed: int | None
+    questions_factor: float
+
+
+def power_of(iv: Interval, margin: float, alpha: float = ALPHA, power: float = POWER) -> Power:
+    """Minimum detectable differences of one paired difference and the seeds and questions that reach
+    ``margin``.
+
+    The seed component is the t-interval's standard error ``se_t`` over ``n`` seeds, which scales as
+    ``sqrt(n / n')`` with ``n'`` seeds (the per-seed means' own question noise stays in it). The question
+    component is what the bootstrap adds, ``se_q^2 = se_b^2 - se_t^2`` (``se_b`` the mean of its two sides'
+    standard errors), and scales as ``Q / Q'`` with ``Q'`` questions.
+
+    Args:
+        iv: a paired difference (t, or bootstrap with its ``seed_interval``).
+        margin: delta > 0.
+        alpha: two-sided level.
+        power: the power asked.
+
+    Returns:
+        ``Power``; NaN fields without the interval they need.
+
+    References:
+        docs/method.md, "Statistics over seeds" (power); ``minimum_detectable_difference``.
+    """
+    nan = float("nan")
+    t_iv = iv.seed_interval if iv.seed_interval is not None else iv
+    se_low, se_high, df = standard_errors(t_iv)
+    se_t = (se_low + se_high) / 2
+    mdd_seeds = minimum_detectable_difference(se_t, df, alpha, power)
+    seeds_needed = None
+    if math.isfinite(mdd_seeds):
+        n = t_iv.n
+        for n_new in range(2, MAX_SEEDS + 1):
+            if minimum_detectable_difference(se_t * math.sqrt(n / n_new), n_new - 1, alpha, power) <= margin:
+                seeds_needed = n_new
+                break
+    mdd_boot, question_se, factor = nan, nan, nan
+    if iv.estimator == BOOTSTRAP:
+        b_low, b_high, _ = standard_errors(iv)
+        se_b = (b_low + b_high) / 2
+        mdd_boot = minimum_detectable_difference(se_b, math.inf, alpha, power)
+        if math.isfinite(se_b) and math.isfinite(se_t):
+            question_se = math.sqrt(max(se_b ** 2 - se_t ** 2, 0.0))
+            # (z + z) se_q sqrt(Q / Q') <= margin  <=>  Q' / Q >= ((z + z) se_q / margin)^2
+            factor = (minimum_detectable_difference(question_se, math.inf, alpha, power) / margin) ** 2 \
+                if question_se > 0 else 0.0
+    mdd = max(x for x in (mdd_seeds, mdd_boot) if math.isfinite(x)) if math.isfinite(mdd_seeds) else nan
+    return Power(mdd, mdd_seeds, mdd_boot, question_se, seeds_needed, factor)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The verdict on one paired difference within its family.
+
+    Attributes:
+        family: its family's name (``FAMILIES``).
+        mean: the mean difference (its sign gives the side of a real one).
+        p: its p-value (``deciding_p``), NaN without an interval.
+        decided_by: the estimator whose interval gave ``p`` (``t`` or ``bootstrap``).
+        p_adjusted: Holm's adjusted p within the family.
+        family_size: m, the family's comparisons with a p-value.
+        real: ``p < ALPHA`` (every interval excludes 0, before correction).
+        real_corrected: ``p_adjusted < ALPHA``.
+    """
+
+    family: str
+    mean: float
+    p: float
+    decided_by: str
+    p_adjusted: float
+    family_size: int
+    real: bool
+    real_corrected: bool
+
+    @property
+    def words(self) -> str:
+        """``real after correction``, ``real before correction only``, ``within noise`` or ``no interval``."""
+        if math.isnan(self.p):
+            return "no interval"
+        if self.real_corrected:
+            return "real after correction"
+        return "real before correction only" if self.real else "within noise"
+
+
+def family_verdicts(arms: Mapping[str, Mapping[str, Mapping[str, Interval]]],
+                    families: Iterable[tuple[str, str, tuple[str, ...]]] = FAMILIES) -> dict:
+    """Holm's correction within each family over every arm.
+
+    Args:
+        arms: ablation -> versus key (``vs_grpo``, ``vs_trace``, ``vs_warmup``) -> column -> ``Interval``
+            (``arm_statistics``' entries, or those rebuilt from ``metrics.json``).
+        families: ``FAMILIES``.
+
+    Returns:
+        ``{(arm, versus, column): Verdict}`` for every difference some family holds.
+    """
+    out: dict = {}
+    for name, versus, columns in families:
+        members = {(arm, versus, c): by_versus[versus][c] for arm, by_versus in arms.items()
+                   for c in columns if c in by_versus.get(versus, {})}
+        raw = {key: deciding_p(iv) for key, iv in members.items()}
+        adjusted = holm({key: p for key, (p, _) in raw.items()})
+        size = sum(not math.isnan(p) for p, _ in raw.values())
+        for key, (p, by) in raw.items():
+            out[key] = Verdict(name, members[key].mean, p, by, adjusted[key], size, bool(p < ALPHA), bool(adjusted[key] < ALPHA))
+    return out
+
+
+def primary_margins(arms: Mapping[str, Mapping[str, Mapping[str, Interval]]], margin: float,
+                    alpha: float = ALPHA) -> dict[str, tuple[str, float, float]]:
+    """Each primary comparison's ``margin_verdict`` on its deciding interval at level ``1 - alpha / m``.
+
+    Args:
+        arms: as ``family_verdicts``.
+        margin: delta > 0.
+        alpha: family-wise level.
+
+    Returns:
+        ``{arm: (words, low, high)}`` for the arms with a primary comparison.
+    """
+    _, versus, (column,) = FAMILIES[0]
+    members = {arm: by_versus[versus][column] for arm, by_versus in arms.items()
+               if column in by_versus.get(versus, {}) and by_versus[versus][column].has_interval}
+    if not members:
+        return {}
+    level = 1.0 - alpha / len(members)
+    out = {}
+    for arm, iv in members.items():
+        low, high = deciding_bounds(iv, level)
+        out[arm] = (margin_verdict(low, high, margin), low, high)
+    return out
+
+
+def groups(arm_names: Iterable[str], baseline: str, verdicts: Mapping, versus: str = "vs_grpo",
+           column: str = "eval mean@k") -> dict[str, str]:
+    """Arms grouped by whether they are distinguishable from ``baseline`` after correction, instead of a rank.
+
+    Args:
+        arm_names: every arm.
+        baseline: the arm the others are compared with (in the middle group).
+        verdicts: ``family_verdicts`` output.
+        versus, column: the comparison that groups (the primary one).
+
+    Returns:
+        arm -> ``above <baseline>``, ``as <baseline>`` (within noise after correction, or no interval) or
+        ``below <baseline>``; the signed mean decides the side of a real difference.
+    """
+    out = {}
+    for arm in arm_names:
+        verdict = verdicts.get((arm, versus, column))
+        side = "as"
+        if verdict is not None and verdict.real_corrected:
+            side = "above" if verdict.mean > 0 else "below"
+        out[arm] = f"{side} {baseline}"
+    return out
+
+
+def judge(arms: Mapping[str, Mapping[str, Mapping[str, Interval]]], margin: float = DEFAULT_MARGIN,
+          baseline: str = "grpo") -> dict:
+    """Everything the report says of its differences: Holm within each family, the primary family's margin
+    verdicts and power, and the arms grouped against ``baseline``.
+
+    Args:
+        arms: as ``family_verdicts`` (``arm_statistics``' arms hold ``vs_grpo``, ``vs_trace``, ``vs_warmup``).
+        margin: delta (``report.margin``).
+        baseline: the arm the primary family compares with.
+
+    Returns:
+        ``{"verdicts": family_verdicts, "margins": primary_margins, "power": {arm: Power}, "groups": {arm:
+        group}, "group_column": the column that grouped (avg@k, or greedy where no arm has an avg@k interval)}``.
+    """
+    verdicts = family_verdicts(arms)
+    _, versus, (column,) = FAMILIES[0]
+    power = {arm: power_of(by[versus][column], margin) for arm, by in arms.items()
+             if column in by.get(versus, {}) and by[versus][column].has_interval}
+    has_primary = any(not math.isnan(v.p) for (_, vs, c), v in verdicts.items() if (vs, c) == (versus, column))
+    group_column = column if has_primary else "eval greedy"
+    return {"verdicts": verdicts, "margins": primary_margins(arms, margin), "power": power,
+            "groups": groups(list(arms), baseline, verdicts, versus, group_column), "group_column": group_column}
