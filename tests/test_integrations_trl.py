@@ -69,21 +69,27 @@ def test_each_prompt_gets_the_allocators_count_and_the_step_spends_exactly_the_b
 def test_pad_rows_get_zero_advantage_and_zero_loss(tmp_path):
     trainer = _trainer(tmp_path, arm="grpo")  # 4 real rows + 4 pads per prompt
     _, output = _scored_batch(trainer)
-    pad = ~_real_rows(output)
-    assert pad.sum() == len(pad) - trl_trace.TRAJECTORY_BUDGET
-    assert torch.all(output["advantages"][torch.from_numpy(pad)] == 0)
-    # the pads' tokens do not reach the loss: other tokens there leave loss and gradients unchanged
+    counts = trainer.allocator.last.counts
+    pad = torch.tensor([j >= c for c in counts for j in range(WIDTH)])
+    assert int(pad.sum()) == len(pad) - trl_trace.TRAJECTORY_BUDGET
+    assert torch.all(output["advantages"][pad] == 0)
+    # the loss of the padded batch is the loss of its real rows alone, numerator and token count alike
+    real_only = {k: v[~pad] if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in output.items()}
+    real_only["num_items_in_batch"] = (output["completion_mask"] * output["tool_mask"])[~pad].sum()
+    # and other tokens in the pads leave loss and gradients unchanged
     changed = dict(output)
     changed["completion_ids"] = output["completion_ids"].clone()
-    changed["completion_ids"][torch.from_numpy(pad), 0] = trainer.processing_class.convert_tokens_to_ids("red")
-    grads = []
-    for inputs in (output, changed):
+    changed["completion_ids"][pad, 0] = trainer.processing_class.convert_tokens_to_ids("red")
+    results = []
+    for inputs in (output, changed, real_only):
         trainer.model.zero_grad()
         loss = trainer.compute_loss(trainer.model, inputs)
         loss.backward()
-        grads.append((loss.detach(), [p.grad.clone() for p in trainer.model.parameters()]))
-    assert grads[0][0] != 0 and torch.equal(grads[0][0], grads[1][0])
-    assert all(torch.equal(a, b) for a, b in zip(grads[0][1], grads[1][1]))
+        results.append((loss.detach(), [p.grad.clone() for p in trainer.model.parameters()]))
+    (loss, grads), (changed_loss, changed_grads), (real_loss, real_grads) = results
+    assert loss != 0 and torch.equal(loss, changed_loss) and torch.allclose(loss, real_loss, rtol=1e-6, atol=0)
+    assert all(torch.equal(a, b) for a, b in zip(grads, changed_grads))
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-9) for a, b in zip(grads, real_grads))
 
 
 def test_a_prompt_with_all_equal_rewards_contributes_no_gradient(tmp_path):

@@ -10,8 +10,9 @@ backend). For arms with stage 2 it plans the continuations over the trees the ca
 trainer's checkpoint carries it.
 
 Invariants: a planning rule's counts sum to ``trajectory_budget`` (minus the stage-2 share of arms that
-expand), every count lies in ``0..m_max``, and the same state and candidates give the same counts (the
-random rules draw from ``step_rng(seed, step, purpose)``). Nothing here imports torch, TRL or verl.
+expand); every count is >= 0, and <= ``m_max`` except for ``vip``, which sizes groups by its own rule; the
+same state and candidates give the same counts (the random rules draw from ``step_rng(seed, step,
+purpose)``). Nothing here imports torch, TRL or verl.
 
 Simplifications: the predictor is the ``history`` backend (no policy features, no encoder); the rules that
 sample while they allocate (``dapo``, ``reinforce_ada``) need the caller's samplers (``sample_groups``,

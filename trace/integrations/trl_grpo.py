@@ -106,7 +106,8 @@ class TraceGRPOTrainer(GRPOTrainer):
                                       "(the group baseline over real rows)")
         if self.allocator.arm.root_rule in SAMPLING_RULES:
             raise ValueError(f"arm {self.allocator.arm.name!r} samples while it allocates, which one generation "
-                             "per step cannot serve: pick a planning arm (grpo, trace, knapsack, pcl, greso, mopps, vip)")
+                             "per step cannot serve: pick a planning arm (grpo, trace, knapsack, pcl, greso, "
+                             "mopps, vip)")
         if not 2 <= budget <= num_rows:
             raise ValueError(f"trajectory_budget={budget} must lie in [2, {num_rows}] (generation_batch_size: "
                              "num_generations rows for each candidate prompt): raise generation_batch_size or "
@@ -197,7 +198,8 @@ class TraceGRPOTrainer(GRPOTrainer):
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
         if self.args.should_save:
-            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            folder = os.path.join(self._get_output_dir(trial=trial),
+                                  f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
             with open(os.path.join(folder, ALLOCATOR_STATE_FILE), "w", encoding="utf-8") as fh:
                 json.dump(self.allocator.state_dict(), fh)
 
