@@ -99,8 +99,9 @@ def run_arm(arm: str, steps: int, seed: int = 0) -> dict[str, float]:
         seconds = time.perf_counter() - start
     logs = [row for row in trainer.state.log_history if "allocation/effective_ratio" in row]
 
-    def mean(key: str) -> float:
-        return float(np.mean([row[key] for row in logs]))
+    def mean(key: str) -> float:  # NaN (logged as None) where the arm has no forecast
+        values = [row[key] for row in logs if row.get(key) is not None]
+        return float(np.mean(values)) if values else float("nan")
 
     return {"steps": len(logs), "trajectories": mean("allocation/trajectories"),
             "effective_ratio": mean("allocation/effective_ratio"), "reward": mean("reward"),
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     for arm in args.arms.split(","):
         r = run_arm(arm, args.steps, args.seed)
         print(f"{arm:<8} {r['steps']:>5} {r['trajectories']:>9.0f} {r['effective_ratio']:>9.3f} {r['reward']:>7.3f} "
-              f"{r['forecast_mixed']:>8.2f} {r['realised_mixed']:>8.2f} {r['seconds']:>7.1f}")
+              f"{r['forecast_mixed']:>8.2f} {r['realised_mixed']:>8.2f} {r['seconds']:>7.1f}".replace("nan", "  -"))
 
 
 if __name__ == "__main__":
