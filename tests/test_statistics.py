@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from trace.reporting.statistics import common_grid, curve_band, mean_interval, paired_bootstrap, paired_difference, t_quantile, \
+from trace.reporting.statistics import mean_interval, paired_bootstrap, paired_difference, t_quantile, \
     tokens_to_target
 
 
@@ -76,24 +76,6 @@ def test_tokens_to_target_interpolates_the_first_crossing():
     assert tokens_to_target([], [], 0.4) is None
     with pytest.raises(ValueError, match="one value per evaluation"):
         tokens_to_target([1, 2], [0.1], 0.4)
-
-
-def test_common_grid_spans_the_range_every_curve_covers():
-    grid = common_grid([([0, 10, 20], [0, 1, 2]), ([5, 15], [0, 1])], num=3)
-    assert grid.tolist() == [5.0, 10.0, 15.0]
-    assert common_grid([([0, 1], [0, 0]), ([2, 3], [0, 0])]).size == 0
-    assert common_grid([]).size == 0
-
-
-def test_curve_band_interpolates_each_seed_then_takes_the_interval_pointwise():
-    # at x = 5: seed a interpolates 0.5 (0 -> 1 over 0..10), seed b 0.7 (0.2 -> 1.2), seed c 0.6
-    curves = [([0, 10], [0.0, 1.0]), ([0, 10], [0.2, 1.2]), ([0, 10], [0.1, 1.1])]
-    mean, low, high = curve_band(curves, [5.0, 20.0])
-    expected = mean_interval([0.5, 0.7, 0.6])
-    assert (mean[0], low[0], high[0]) == pytest.approx((expected.mean, expected.low, expected.high))
-    assert np.isnan(mean[1])  # outside every curve
-    one_mean, one_low, _ = curve_band(curves[:1], [5.0])
-    assert one_mean[0] == pytest.approx(0.5) and np.isnan(one_low[0])
 
 
 def _warmup_and_grpo(fixed: int, broken: int) -> tuple[np.ndarray, np.ndarray]:
