@@ -15,7 +15,7 @@ with no edit of ``dvc.yaml``.
   On one node without ``--master_port`` in ``launch.args`` it passes a port that was free (the runner's own
   default, 29500, is the same for every stage on the machine); rank 0 listens on it only seconds later, so
   where another process took it meanwhile (EADDRINUSE in the ranks' output) the launch is repeated on a new
-  port, at most ``PORT_TRIES`` times, each retry logged. A failed rendezvous ends the ranks before any step.
+  port, at most ``PORT_TRIES`` launches in all, each retry logged. A failed rendezvous ends the ranks before any step.
 
 torchrun's ``--standalone`` rendezvous needs no such retry: its agent binds port 0 and holds the store the
 ranks join. A single process binds no port at all (``trace.update.deepspeed_setup.init_process_group``).

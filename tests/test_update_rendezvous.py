@@ -157,3 +157,13 @@ def test_the_port_retries_are_bounded_and_only_for_a_lost_port(monkeypatch, tmp_
     with_port = LaunchConfig(launcher="deepspeed", num_processes=2, args=("--master_port", "29611"))
     assert relaunch(with_port, "flows.train", []) == 1  # the user's port: launched once, as given
     assert given.read_text().split() == ["29611"]
+
+
+def test_a_port_in_the_launch_args_is_read_as_text_as_yaml_gives_it():
+    """`-S 'launch.args=[--master_addr,gpu-node-1,--master_port,29500]'` (docs/gpu.md) parses 29500 as an int."""
+    from trace.configuration.params_file import load_config
+
+    cfg = load_config(ROOT / "tests" / "params_tiny.yaml", overrides={"launch": {
+        "launcher": "deepspeed", "num_processes": 8, "hostfile": "hostfile",
+        "args": ["--master_addr", "gpu-node-1", "--master_port", 29500]}})
+    assert cfg.launch.args == ("--master_addr", "gpu-node-1", "--master_port", "29500")

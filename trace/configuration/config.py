@@ -248,7 +248,16 @@ class LaunchConfig(_Section):
     num_processes: int = Field(1, ge=1, description="ranks per node (GPUs per node; CPU: processes on gloo)")
     hostfile: Optional[str] = Field(None, description="deepspeed: hostfile of the nodes (`host slots=N` lines); "
                                     "None = this node only")
-    args: tuple[str, ...] = Field((), description="extra launcher arguments, e.g. [--master_addr, node-1]")
+    args: tuple[str, ...] = Field((), description="extra launcher arguments, e.g. [--master_addr, node-1, "
+                                  "--master_port, 29500]")
+
+    @field_validator("args", mode="before")
+    @classmethod
+    def _numbers_as_text(cls, value):
+        # a command line is text: YAML and `-S` read `29500` as an int, which the launcher takes as its text
+        if isinstance(value, (list, tuple)):
+            return tuple(str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for v in value)
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> "LaunchConfig":
