@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arms", default="trace,grpo,mopps", help="comma-separated arm names")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    import importlib.util
     import warnings
 
     import torch
@@ -122,6 +123,9 @@ def main(argv: list[str] | None = None) -> None:
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' renamed checkpointing options
     torch.set_num_threads(2)
+    if importlib.util.find_spec("deepspeed") is not None:
+        # the trainer imports it and it logs its accelerator choice once: here, not inside the table
+        import deepspeed.accelerator  # noqa: F401
     print(f"trl {trl.__version__}, torch {torch.__version__}, {NUM_CANDIDATES} candidates x {NUM_GENERATIONS} "
           f"rows, budget {TRAJECTORY_BUDGET} trajectories per step, {args.steps} steps, seed {args.seed}")
     print(f"{'arm':<8} {'steps':>5} {'traj/step':>9} {'effective':>9} {'reward':>7} {'forecast':>8} "

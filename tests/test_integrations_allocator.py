@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -130,3 +131,102 @@ def test_the_framework_free_api_imports_without_torch_trl_or_verl():
     code = ("import sys, trace.integrations, trace.integrations.verl_recipe; "
             "bad = [m for m in ('torch', 'trl', 'verl', 'transformers') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], check=True)
+
+
+# ---- input checks: each refused before any state changes ------------------------------------------------
+def test_an_unknown_arm_names_the_argument_and_the_valid_arms():
+    with pytest.raises(ValueError, match=r"RolloutAllocator\(arm='nope'\).*grpo, dapo, knapsack") as err:
+        RolloutAllocator("nope")
+    assert "params.yaml" not in str(err.value)
+
+
+def test_an_empty_prompt_list_is_named_as_such():
+    with pytest.raises(ValueError, match="prompt_ids is empty"):
+        RolloutAllocator("grpo", _config()).allocate([])
+
+
+@pytest.mark.parametrize("arm", ["grpo", "pcl", "greso", "mopps", "trace_root"])
+@pytest.mark.parametrize("budget, error, match", [
+    (-5, ValueError, r"trajectory_budget=-5 is below allocation.m_min=2"),
+    (0, ValueError, r"trajectory_budget=0 is below allocation.m_min=2"),
+    (1, ValueError, r"trajectory_budget=1 is below allocation.m_min=2.*pass trajectory_budget >= 2"),
+    (float("nan"), ValueError, r"trajectory_budget=nan is not a whole number"),
+    (31.7, ValueError, r"trajectory_budget=31.7 is not a whole number"),
+    ("32", TypeError, r"trajectory_budget='32' is not a number"),
+])
+def test_a_budget_that_is_not_a_whole_number_of_at_least_m_min_is_refused(arm, budget, error, match):
+    allocator = RolloutAllocator(arm, _config(), seed=1)
+    before = allocator.state_dict()
+    with pytest.raises(error, match=match):
+        allocator.allocate(IDS, trajectory_budget=budget)
+    assert allocator.state_dict() == before
+
+
+def test_an_integral_float_budget_is_taken_and_stage_two_names_expansion_ratio():
+    assert RolloutAllocator("grpo", _config()).allocate(IDS, trajectory_budget=31.0).counts.sum() == 31
+    with pytest.raises(ValueError, match="leaves 1 root trajectories.*expansion_ratio"):
+        RolloutAllocator("trace", _config(expansion_ratio=1.0)).allocate(IDS, trajectory_budget=2)
+
+
+def test_counts_above_m_max_are_refused_not_spread_over_too_few_candidates():
+    # 3 candidates cannot hold 32 trajectories at m_max=8 each (grpo used to give 11, 11, 10)
+    with pytest.raises(ValueError, match=r"trajectory_budget=32 .* 3 candidate prompts .*m_max=8.*<= 24"):
+        RolloutAllocator("grpo", _config()).allocate(IDS[:3], trajectory_budget=32)
+    # uniform groups of group_size=8 above m_max=4: refused, and greso's record of candidates left as it was
+    allocator = RolloutAllocator("greso", _config(group_size=8, m_max=4), seed=0)
+    before = allocator.state_dict()
+    with pytest.raises(ValueError, match=r"would give a prompt 8 trajectories, more than allocation.m_max=4"):
+        allocator.allocate(IDS, trajectory_budget=16)
+    assert allocator.state_dict() == before
+
+
+@pytest.mark.parametrize("arm", ["trace_root", "knapsack", "greso", "mopps", "vip"])
+@pytest.mark.parametrize("bad", [float("nan"), 1.5, -0.5, float("inf")])
+def test_observe_refuses_rewards_outside_0_1_before_any_state_changes(arm, bad):
+    allocator = RolloutAllocator(arm, _config(), seed=2)
+    _history(allocator)
+    allocation = allocator.allocate(IDS, [f"question {i}" for i in range(8)], trajectory_budget=16)
+    active = [IDS[i] for i in np.flatnonzero(allocation.counts)]
+    rewards = [[1.0, 0.0] + [1.0] * (int(c) - 2) for c in allocation.counts if c]
+    rewards[-1][0] = bad
+    before = json.dumps(allocator.state_dict(), allow_nan=False)
+    with pytest.raises(ValueError, match=rf"prompt '{active[-1]}' has reward {bad!r}, not a finite value in \[0, 1\]"):
+        allocator.observe(active, rewards)
+    assert json.dumps(allocator.state_dict(), allow_nan=False) == before  # strict JSON, unchanged
+    rewards[-1][0] = 1.0
+    allocator.observe(active, rewards)  # the corrected outcome is taken
+    assert allocator.step == 2
+
+
+def test_observe_refuses_prompts_and_group_sizes_the_last_allocation_did_not_sample():
+    allocator = RolloutAllocator("mopps", _config(), seed=0)
+    allocation = allocator.allocate(IDS, trajectory_budget=16)
+    active = [IDS[i] for i in np.flatnonzero(allocation.counts)]
+    skipped = IDS[int(np.flatnonzero(allocation.counts == 0)[0])]
+    before = allocator.state_dict()
+    with pytest.raises(ValueError, match=rf"prompt '{skipped}' was not sampled by the last allocate"):
+        allocator.observe([skipped], [[1.0] * 4])
+    with pytest.raises(ValueError, match=rf"prompt '{active[0]}' has 3 rewards, the last allocate gave it 4"):
+        allocator.observe(active, [[1.0] * 3] + [[1.0] * 4] * (len(active) - 1))
+    with pytest.raises(ValueError, match="repeat"):
+        allocator.observe([active[0], active[0]], [[1.0] * 4, [1.0] * 4])
+    assert allocator.state_dict() == before
+
+
+def test_a_state_without_its_keys_is_refused_naming_them():
+    with pytest.raises(ValueError, match=r"lacks 'step', 'seed', 'rule_state', 'predictor'"):
+        RolloutAllocator("trace_root", _config()).load_state_dict({"format_version": 1, "arm": "trace_root"})
+
+
+def test_the_arm_lists_of_the_docs_are_the_registrys():
+    from trace.allocation.arms import ARMS
+    from trace.integrations import planning_arms, predictor_arms, stage2_arms
+
+    assert set(predictor_arms()) == {"knapsack", "pcl", "trace_root", "trace_prefix", "trace"}
+    assert set(stage2_arms()) == {"tree_random", "treepo", "trace_prefix", "trace"}
+    assert set(planning_arms()) == set(ARMS) - {"dapo", "reinforce_ada"}
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "integrations.md").read_text()
+    for name, arms in (("predictor_arms", predictor_arms()), ("stage2_arms", stage2_arms())):
+        listed = re.search(rf"`{name}\(\)`: ([^)]*)\)", docs)
+        assert listed, f"docs/integrations.md no longer lists {name}()"
+        assert re.findall(r"`(\w+)`", listed.group(1)) == list(arms)

@@ -137,3 +137,62 @@ def test_with_all_counts_equal_the_loss_is_plain_grpotrainers(tmp_path):
     assert torch.equal(ours["completion_ids"], theirs["completion_ids"])
     assert torch.equal(ours["advantages"], theirs["advantages"])
     assert our_loss.item() != 0 and torch.equal(our_loss, their_loss)
+
+
+@pytest.mark.parametrize("arm, update, match", [
+    ("trace", {"expansion_ratio": 1.0}, r"leaves 16 of trajectory_budget=32 to stage 2"),
+    ("tree_random", {"expansion_ratio": 1.0}, r"leaves 16 of trajectory_budget=32 to stage 2"),
+    ("grpo", {"m_max": 2 * WIDTH}, rf"up to 16 trajectories \(allocation.m_max=16.*num_generations={WIDTH}"),
+    ("vip", {}, rf"allocation.vip.n_max=32.*more than num_generations={WIDTH}"),
+    ("grpo", {"trajectory_budget": 1}, r"trajectory_budget=1 is below allocation.m_min=2"),
+])
+def test_what_the_settings_alone_rule_out_is_refused_when_the_trainer_is_built(tmp_path, arm, update, match):
+    allocation = trl_trace.allocation_config().model_copy(update=update)
+    with pytest.raises(ValueError, match=match):
+        _trainer(tmp_path, arm=arm, allocation=allocation)
+
+
+def test_a_fractional_budget_is_refused_at_build_not_truncated(tmp_path):
+    model, tokenizer = trl_trace.build_policy(seed=0)
+    with pytest.raises(ValueError, match=r"trajectory_budget=31.7 is not a whole number"):
+        TraceGRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=trl_trace.repeat_reward,
+                         args=trl_trace.grpo_config(str(tmp_path), 1), train_dataset=trl_trace.toy_dataset(),
+                         allocator=RolloutAllocator("grpo", trl_trace.allocation_config()), trajectory_budget=31.7)
+
+
+def test_without_trl_the_import_error_names_the_pins_of_requirements(monkeypatch):
+    import importlib
+    import sys
+
+    pins = [line.strip() for line in (Path(__file__).resolve().parents[1] / "requirements.txt").read_text().splitlines()
+            if line.startswith(("trl==", "datasets=="))]
+    monkeypatch.setitem(sys.modules, "trl", None)
+    monkeypatch.delitem(sys.modules, "trace.integrations.trl_grpo")
+    with pytest.raises(ImportError) as err:
+        importlib.import_module("trace.integrations.trl_grpo")
+    assert len(pins) == 2 and f"pip install {' '.join(pins)}" in str(err.value)
+    assert "-e" not in str(err.value)
+
+
+def test_the_example_loads_deepspeeds_accelerator_before_its_table(monkeypatch, capsys):
+    # DeepSpeed logs "Setting accelerator to CPU" when its accelerator module first loads (inside the trainer):
+    # the example loads it before the header so that the line does not fall between the header and the rows
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed, so nothing logs")
+    loaded_at_header: list[bool] = []
+
+    def recording_print(*args, **kwargs):
+        if str(args[0]).startswith("arm "):
+            loaded_at_header.append("deepspeed.accelerator" in sys.modules)
+        print(*args, **kwargs)
+
+    monkeypatch.delitem(sys.modules, "deepspeed.accelerator", raising=False)
+    monkeypatch.setattr(trl_trace, "print", recording_print, raising=False)
+    monkeypatch.setattr(trl_trace, "run_arm", lambda arm, steps, seed: dict.fromkeys(
+        ("steps", "trajectories", "effective_ratio", "reward", "forecast_mixed", "realised_mixed", "seconds"), 1.0))
+    trl_trace.main(["--steps", "1", "--arms", "grpo"])
+    assert loaded_at_header == [True]
+    assert capsys.readouterr().out.splitlines()[-1].split()[0] == "grpo"

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import importlib
 
-from trace.integrations.allocator import Allocation, RolloutAllocator, group_outcome_metrics
+from trace.integrations.allocator import Allocation, RolloutAllocator, group_outcome_metrics, planning_arms, \
+    predictor_arms, stage2_arms
 
-__all__ = ["Allocation", "RolloutAllocator", "TraceGRPOTrainer", "group_outcome_metrics"]
+__all__ = ["Allocation", "RolloutAllocator", "TraceGRPOTrainer", "group_outcome_metrics", "planning_arms",
+           "predictor_arms", "stage2_arms"]
 
 
 def __getattr__(name: str):

@@ -4,15 +4,17 @@
 receives the step's candidate prompts by a stable id (and text), returns how many trajectories each gets
 from the arm's root rule (``trace.allocation.arms.plan_root_counts``), and afterwards takes back the rewards
 of what was sampled, feeding the rule's ``AllocatorState`` (GRESO, MoPPS, VIP) and, for arms that read
-``V_hat`` (``trace``, ``knapsack``, ``pcl``), a per-prompt Beta-Bernoulli success predictor (the ``history``
-backend). For arms with stage 2 it plans the continuations over the trees the caller sampled
-(``plan_continuations``). Everything it keeps between calls is in ``state_dict()``, JSON-serialisable, so a
-trainer's checkpoint carries it.
+``V_hat`` (``predictor_arms()``: ``knapsack``, ``pcl``, ``trace_root``, ``trace_prefix``, ``trace``), a
+per-prompt Beta-Bernoulli success predictor (the ``history`` backend). For arms with stage 2
+(``stage2_arms()``: ``tree_random``, ``treepo``, ``trace_prefix``, ``trace``) it plans the continuations over
+the trees the caller sampled (``plan_continuations``). Everything it keeps between calls is in
+``state_dict()``, strict JSON, so a trainer's checkpoint carries it.
 
 Invariants: a planning rule's counts sum to ``trajectory_budget`` (minus the stage-2 share of arms that
-expand); every count is >= 0, and <= ``m_max`` except for ``vip``, which sizes groups by its own rule; the
-same state and candidates give the same counts (the random rules draw from ``step_rng(seed, step,
-purpose)``). Nothing here imports torch, TRL or verl.
+expand); every count is >= 0 and <= ``count_cap`` (``m_max``; ``vip.n_max`` for ``vip``, which sizes groups by
+its own rule): a step that would exceed it is refused, not clipped; the same state and candidates give the
+same counts (the random rules draw from ``step_rng(seed, step, purpose)``); a refused ``allocate`` or
+``observe`` leaves the state as it was. Nothing here imports torch, TRL or verl.
 
 Simplifications: the predictor is the ``history`` backend (no policy features, no encoder); the rules that
 sample while they allocate (``dapo``, ``reinforce_ada``) need the caller's samplers (``sample_groups``,
@@ -26,20 +28,23 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from trace.allocation.arms import get_arm, make_allocator_state, plan_root_counts
+from trace.allocation.arms import ARMS, make_allocator_state, plan_root_counts, root_budget_for
 from trace.allocation.objectives import activation_prob
 from trace.allocation.prefix import split_expansion_budget
 from trace.allocation.prefix_rules import plan_expansion
+from trace.integrations.inputs import SAMPLING_ROOT_RULES, check_outcome, planning_arms, predictor_arms, \
+    stage2_arms, whole_budget
 from trace.configuration.config import AllocationConfig, PredictorConfig, PredictorKind
 from trace.predictor.base import clip_predictions
 from trace.predictor.history import HistoryPredictor
 from trace.training.seeding import step_rng
 from trace.tree import Origin, RolloutTree
 
-__all__ = ["Allocation", "RolloutAllocator", "STATE_FORMAT_VERSION", "group_outcome_metrics"]
+__all__ = ["Allocation", "RolloutAllocator", "SAMPLING_ROOT_RULES", "STATE_FORMAT_VERSION", "group_outcome_metrics",
+           "planning_arms", "predictor_arms", "stage2_arms"]
 
 STATE_FORMAT_VERSION = 1
-
+STATE_KEYS = ("format_version", "arm", "step", "seed", "rule_state", "predictor")
 
 @dataclass(frozen=True, eq=False)
 class Allocation:
@@ -121,7 +126,11 @@ class RolloutAllocator:
 
     def __init__(self, arm: str, allocation: AllocationConfig | None = None,
                  predictor: PredictorConfig | None = None, seed: int = 0) -> None:
-        self.arm = get_arm(arm)
+        if not isinstance(arm, str) or arm not in ARMS:
+            raise ValueError(f"RolloutAllocator(arm={arm!r}): not a registered arm; pass one of {', '.join(ARMS)} "
+                             f"(planning arms, which fit a trainer that generates once per step: "
+                             f"{', '.join(planning_arms())})")
+        self.arm = ARMS[arm]
         self.allocation = allocation if allocation is not None else AllocationConfig()
         predictor = predictor if predictor is not None else PredictorConfig(kind=PredictorKind.HISTORY)
         if predictor.kind != PredictorKind.HISTORY:
@@ -132,6 +141,51 @@ class RolloutAllocator:
         self.seed = int(seed)
         self.step = 0
         self.last: Allocation | None = None
+        self._pending: Allocation | None = None  # allocated, its rewards not yet observed
+
+    @property
+    def count_cap(self) -> tuple[int, str]:
+        """The most trajectories the arm gives one prompt and the setting that sets it: ``allocation.m_max``, or
+        ``allocation.vip.n_max`` for ``vip`` (which sizes groups by its own rule)."""
+        if self.arm.root_rule == "vip":
+            return int(self.allocation.vip.n_max), "allocation.vip.n_max"
+        return int(self.allocation.m_max), "allocation.m_max"
+
+    def check_budget(self, trajectory_budget: Any, num_candidates: int | None = None) -> int:
+        """``trajectory_budget`` as an int, or an error saying what to pass.
+
+        Args:
+            trajectory_budget: T, trajectories of the step (an int, or a float with an integral value).
+            num_candidates: B, the step's candidate prompts; None skips the capacity check.
+
+        Returns:
+            T as an int.
+
+        Raises:
+            TypeError: not a number.
+            ValueError: not finite, not integral, a root budget (``round(T / (1 + expansion_ratio))`` for arms
+                with stage 2, else T) below ``allocation.m_min`` (>= 2: a group of one has no contrast), or a
+                root budget above ``B`` times the most trajectories of one prompt (``count_cap``). Each message
+                names ``trajectory_budget``, its value and the fix.
+        """
+        value = trajectory_budget
+        budget, acfg = whole_budget(value), self.allocation
+        root = root_budget_for(self.arm, budget, acfg.expansion_ratio)
+        if root < acfg.m_min:
+            stage2 = (f" with expansion_ratio={acfg.expansion_ratio} leaves {root} root trajectories, which is"
+                      if root != budget else " is")
+            raise ValueError(f"trajectory_budget={value!r}{stage2} below allocation.m_min={acfg.m_min}, the smallest "
+                             "group with contrast (a group of one has no baseline): "
+                             + (f"pass trajectory_budget >= {acfg.m_min}" if root == budget else
+                                f"raise trajectory_budget until its root budget is >= {acfg.m_min}, or lower "
+                                "allocation.expansion_ratio"))
+        cap, cap_key = self.count_cap
+        if num_candidates is not None and root > num_candidates * cap:
+            raise ValueError(f"trajectory_budget={value!r} needs {root} root trajectories, more than {num_candidates} "
+                             f"candidate prompts can take at {cap_key}={cap} each: pass at least "
+                             f"{-(-root // cap)} candidates, lower trajectory_budget to <= {num_candidates * cap}, or "
+                             f"raise {cap_key}")
+        return budget
 
     def predict(self, prompt_ids: Sequence[str]) -> np.ndarray:
         """(B,) float64 posterior-mean success probability of each prompt, clipped to ``[clip, 1 - clip]``."""
@@ -156,20 +210,28 @@ class RolloutAllocator:
             ``Allocation``; ``counts.sum() + expansion_budget == T`` for every planning rule.
 
         Raises:
-            ValueError: duplicate or misaligned ids, an infeasible budget (the message names the setting), or
-                a sampling rule without its samplers.
+            ValueError: an empty, duplicate or misaligned id list; a budget that ``check_budget`` refuses
+                (including more root trajectories than the candidates hold at ``count_cap`` each); counts
+                above ``count_cap`` (uniform groups of ``group_size`` over too few candidates, the rule state
+                left as it was); an infeasible budget of the rule (the message names the setting); or a sampling
+                rule without its samplers.
+            TypeError: a budget that is not a number.
         """
         ids = [str(u) for u in prompt_ids]
+        if not ids:
+            raise ValueError("prompt_ids is empty: pass the step's candidate prompts (at least one)")
         if len(set(ids)) != len(ids):
             raise ValueError(f"prompt_ids must be distinct within a step, got {len(ids)} ids with "
                              f"{len(ids) - len(set(ids))} repeats: pass each candidate prompt once")
         texts = [""] * len(ids) if prompt_texts is None else [str(t) for t in prompt_texts]
         if len(texts) != len(ids):
             raise ValueError(f"got {len(ids)} prompt_ids and {len(texts)} prompt_texts: pass one text per id")
-        budget = int(self.allocation.trajectory_budget if trajectory_budget is None else trajectory_budget)
+        budget = self.check_budget(self.allocation.trajectory_budget if trajectory_budget is None
+                                   else trajectory_budget, len(ids))
         acfg = self.allocation
         pred = self.predict(ids) if self.arm.uses_predictor else np.full(len(ids), np.nan)
         step = self.step
+        saved = None if self.rule_state is None else self.rule_state.state_dict()  # greso records candidates
         plan = plan_root_counts(
             self.arm, pred, trajectory_budget=budget, expansion_ratio=acfg.expansion_ratio,
             group_size=acfg.group_size, m_min=acfg.m_min, m_max=acfg.m_max, knapsack_m_min=acfg.knapsack_m_min,
@@ -178,9 +240,18 @@ class RolloutAllocator:
             root_objective=acfg.root_objective, sample_more=sample_more, prompt_uids=ids, prompt_texts=texts,
             state=self.rule_state, config=acfg)
         counts = np.asarray(plan.counts, dtype=np.int64)
+        cap, cap_key = self.count_cap
+        if counts.max(initial=0) > cap:  # uniform groups spread over fewer candidates than R // group_size
+            if saved is not None:
+                self.rule_state.load_state_dict(saved)
+            raise ValueError(f"arm {self.arm.name!r} would give a prompt {int(counts.max())} trajectories, more than "
+                             f"{cap_key}={cap} (trajectory_budget={budget}, {len(ids)} candidates, group_size="
+                             f"{acfg.group_size}): pass more candidates, lower trajectory_budget, or set "
+                             f"group_size <= {cap_key}")
         self.last = Allocation(prompt_ids=tuple(ids), counts=counts, pred_success_prob=pred,
                                expansion_budget=int(plan.expansion_budget), info=dict(plan.info),
                                metrics=dict(plan.metrics))
+        self._pending = self.last
         return self.last
 
     def plan_continuations(self, trees: Sequence[RolloutTree], allocation: Allocation | None = None) -> dict:
@@ -222,7 +293,8 @@ class RolloutAllocator:
         Args:
             prompt_ids: one stable id per sampled prompt.
             rewards: that prompt's (k,) trajectory rewards in ``[0, 1]`` (the predictor reads them as
-                success rates; the rule states as the paper of each rule says).
+                success rates; the rule states as the paper of each rule says), k >= 1. After ``allocate``,
+                k is the prompt's count for arms without stage 2 (with stage 2: its leaves, any k >= 1).
             prompt_texts: their texts; None: empty strings.
 
         Returns:
@@ -230,14 +302,16 @@ class RolloutAllocator:
             allocation (NaN without a predictor), and the rule state's own metrics.
 
         Raises:
-            ValueError: misaligned lengths.
+            ValueError: misaligned lengths, a repeated id, an empty reward group, a reward that is not finite
+                or lies outside [0, 1] (naming the prompt id and the value), and, while an allocation awaits
+                its rewards, an id it did not sample or (arms without stage 2) a group whose size is not the
+                prompt's count. Every check runs before any state changes, so a refused call leaves the
+                allocator as it was.
         """
         ids = [str(u) for u in prompt_ids]
         groups = [np.asarray(r, dtype=np.float64).reshape(-1) for r in rewards]
         texts = [""] * len(ids) if prompt_texts is None else [str(t) for t in prompt_texts]
-        if not len(ids) == len(groups) == len(texts):
-            raise ValueError(f"got {len(ids)} prompt_ids, {len(groups)} reward groups and {len(texts)} texts: "
-                             "pass one of each per sampled prompt")
+        check_outcome(ids, groups, texts, self._pending, self.arm.has_expansion)
         metrics = group_outcome_metrics(groups)
         metrics["allocation/forecast_mixed_groups"] = (self.last.forecast_mixed_groups if self.last is not None
                                                        else float("nan"))
@@ -245,6 +319,7 @@ class RolloutAllocator:
             metrics.update(self.rule_state.observe(ids, groups, texts))
         self.predictor.fit([self._flat_tree(uid, g) for uid, g in zip(ids, groups)])
         self.step += 1
+        self._pending = None
         return metrics
 
     def _flat_tree(self, prompt_id: str, rewards: np.ndarray) -> RolloutTree:
@@ -266,8 +341,13 @@ class RolloutAllocator:
         """Restore ``state_dict()``'s output.
 
         Raises:
-            ValueError: a state of another arm or format version (the message names both).
+            ValueError: a state lacking one of ``state_dict()``'s keys (naming them), or of another arm or
+                format version (the message names both).
         """
+        missing = [key for key in STATE_KEYS if key not in state]
+        if missing:
+            raise ValueError(f"allocator state lacks {', '.join(map(repr, missing))} (it has {sorted(state)}): "
+                             "pass the whole dict that RolloutAllocator.state_dict() returned")
         if state.get("format_version") != STATE_FORMAT_VERSION:
             raise ValueError(f"allocator state has format_version {state.get('format_version')!r}, this code reads "
                              f"{STATE_FORMAT_VERSION}")
@@ -278,4 +358,4 @@ class RolloutAllocator:
         if self.rule_state is not None:
             self.rule_state.load_state_dict(state["rule_state"])
         self.predictor.load_state_dict(dict(state["predictor"]))
-        self.last = None
+        self.last = self._pending = None

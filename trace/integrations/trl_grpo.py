@@ -22,8 +22,8 @@ call), ``_calculate_rewards`` (the reward matrix), ``_save_checkpoint`` and
 Not supported (refused at construction): several processes (every rank must receive the same allocation:
 docs/integrations.md), vLLM generation (its server asks for ``num_generations`` samples per unique prompt),
 ``rollout_func``, tools and environments, ``normalize_then_sum`` aggregation, and rules that sample while
-they allocate (``dapo``, ``reinforce_ada``) or arms with stage 2 (a single-turn completion has no prefix to
-branch from: use ``expansion_ratio=0``).
+they allocate (``dapo``, ``reinforce_ada``), arms with stage 2 at ``expansion_ratio > 0`` (a single-turn
+completion has no prefix to branch from), and an arm whose counts can exceed ``num_generations``.
 """
 
 from __future__ import annotations
@@ -38,15 +38,17 @@ import torch
 try:
     from trl import GRPOTrainer
 except ImportError as err:  # the optional extra is missing
-    raise ImportError("trace.integrations.trl_grpo needs TRL: pip install -e '.[trl]' (trl==1.16.0)") from err
+    raise ImportError("trace.integrations.trl_grpo needs TRL: pip install trl==1.16.0 datasets==5.2.0 (the pins "
+                      "of requirements.txt; the repository itself is not pip-installable: docs/integrations.md)"
+                      ) from err
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from trace.integrations.allocator import RolloutAllocator
+from trace.allocation.arms import root_budget_for
+from trace.integrations.allocator import SAMPLING_ROOT_RULES, RolloutAllocator, planning_arms
 
 __all__ = ["ALLOCATOR_STATE_FILE", "TraceGRPOTrainer", "prompt_id_of"]
 
 ALLOCATOR_STATE_FILE = "trace_allocator_state.json"
-SAMPLING_RULES = ("dapo", "reinforce_ada")
 
 
 def prompt_id_of(example: dict, column: str) -> str:
@@ -77,7 +79,12 @@ class TraceGRPOTrainer(GRPOTrainer):
         prompt_id_column: the dataset column with a stable prompt id (else the prompt's digest is used).
 
     Raises:
-        ValueError: a budget above the batch's rows or below 2, a sampling rule or an arm with stage 2.
+        ValueError: at build, each from the settings alone: a sampling rule (``dapo``, ``reinforce_ada``); a
+            budget that ``RolloutAllocator.check_budget`` refuses for ``generation_batch_size /
+            num_generations`` candidates or that exceeds ``generation_batch_size``; an arm with stage 2 whose
+            ``expansion_ratio`` leaves continuations; an arm whose counts can exceed ``num_generations``
+            (``count_cap``, i.e. ``allocation.m_max`` or ``allocation.vip.n_max``, above it, unless the root
+            budget is smaller).
         NotImplementedError: several processes, vLLM, ``rollout_func``, tools or environments.
     """
 
@@ -88,13 +95,14 @@ class TraceGRPOTrainer(GRPOTrainer):
         self.prompt_id_column = prompt_id_column
         width = self.num_generations
         num_candidates = self.args.generation_batch_size // width
-        budget = int(allocator.allocation.trajectory_budget if trajectory_budget is None else trajectory_budget)
-        self._check_supported(budget, num_candidates * width)
-        self.trajectory_budget = budget
+        self.trajectory_budget = self._check_supported(
+            allocator.allocation.trajectory_budget if trajectory_budget is None else trajectory_budget,
+            num_candidates * width)
         self._real_rows: list[bool] | None = None  # per row of the generation batch being built
         self._real_rewards: list[torch.Tensor] | None = None
 
-    def _check_supported(self, budget: int, num_rows: int) -> None:
+    def _check_supported(self, trajectory_budget: Any, num_rows: int) -> int:
+        """The step's budget as an int, after refusing what the settings alone show this adapter cannot run."""
         if self.accelerator.num_processes > 1:
             raise NotImplementedError("TraceGRPOTrainer runs in one process: with several, every rank must receive "
                                       "the same allocation (docs/integrations.md, Several processes)")
@@ -104,14 +112,29 @@ class TraceGRPOTrainer(GRPOTrainer):
         if self.multi_objective_aggregation != "sum_then_normalize":
             raise NotImplementedError("TraceGRPOTrainer needs multi_objective_aggregation='sum_then_normalize' "
                                       "(the group baseline over real rows)")
-        if self.allocator.arm.root_rule in SAMPLING_RULES:
-            raise ValueError(f"arm {self.allocator.arm.name!r} samples while it allocates, which one generation "
-                             "per step cannot serve: pick a planning arm (grpo, trace, knapsack, pcl, greso, "
-                             "mopps, vip)")
-        if not 2 <= budget <= num_rows:
-            raise ValueError(f"trajectory_budget={budget} must lie in [2, {num_rows}] (generation_batch_size: "
-                             "num_generations rows for each candidate prompt): raise generation_batch_size or "
+        allocator, width = self.allocator, self.num_generations
+        arm, acfg = allocator.arm, allocator.allocation
+        if arm.root_rule in SAMPLING_ROOT_RULES:
+            raise ValueError(f"arm {arm.name!r} samples while it allocates, which one generation per step cannot "
+                             f"serve: pick a planning arm ({', '.join(planning_arms())}; with stage 2 only at "
+                             "expansion_ratio=0)")
+        budget = allocator.check_budget(trajectory_budget)
+        if budget > num_rows:
+            raise ValueError(f"trajectory_budget={budget} exceeds the generation batch's {num_rows} rows "
+                             "(num_generations rows for each candidate prompt): raise generation_batch_size or "
                              "lower the budget")
+        root = root_budget_for(arm, budget, acfg.expansion_ratio)
+        if root < budget:
+            raise ValueError(f"arm {arm.name!r} with expansion_ratio={acfg.expansion_ratio} leaves {budget - root} "
+                             f"of trajectory_budget={budget} to stage 2, which single-turn TRL generation cannot "
+                             "place (no prefix to branch from): set AllocationConfig(expansion_ratio=0)")
+        cap, cap_key = allocator.count_cap
+        if min(cap, root) > width:
+            raise ValueError(f"arm {arm.name!r} may give one prompt up to {min(cap, root)} trajectories "
+                             f"({cap_key}={cap}, trajectory_budget={budget}), more than num_generations={width}: "
+                             f"set {cap_key} <= num_generations (and group_size too)")
+        allocator.check_budget(budget, num_rows // width)  # the candidates hold the budget at count_cap each
+        return budget
 
     # ---- allocation and generation ----------------------------------------------------------------------
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -128,6 +151,7 @@ class TraceGRPOTrainer(GRPOTrainer):
                  for x in candidates]
         allocation = self.allocator.allocate(ids, texts, trajectory_budget=self.trajectory_budget)
         counts = allocation.counts
+        # refused at build already (_check_supported); these guard an allocator changed since
         if allocation.expansion_budget:
             raise ValueError(f"arm {self.allocator.arm.name!r} leaves {allocation.expansion_budget} continuations "
                              "for stage 2, which single-turn TRL generation cannot place: set "
