@@ -105,6 +105,8 @@ def _missing_dvc_params(path: Path, dvc_yaml: Path, cfg, overrides: dict) -> str
         for part in key.split("."):
             value = getattr(value, part)
         stages = ", ".join(s for s, keys in missing.items() if key in keys)
+        if hasattr(value, "model_dump"):  # a whole section (dvc.yaml tracks e.g. `report`)
+            value = value.model_dump(mode="json")
         shown = json.dumps(getattr(value, "value", value))
         lines.append(f"  - {key} (read by {stages}): add it, e.g. its default {key.split('.')[-1]}: {shown}")
     return "\n".join(lines)

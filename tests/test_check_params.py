@@ -59,6 +59,13 @@ def test_a_params_yaml_without_a_key_dvc_yaml_tracks_is_refused_with_the_default
     assert "update.max_grad_norm (read by warmup)" in problem and "max_grad_norm: 1.0" in problem
 
 
+def test_a_params_file_without_a_whole_tracked_section_names_the_section_and_its_defaults(tmp_path):
+    lines = [line for line in TINY.read_text().splitlines() if not line.startswith("report:")]
+    problem = check_params(_project(tmp_path, "\n".join(lines) + "\n"))
+    assert problem is not None
+    assert "report (read by report)" in problem and '"margin": 0.02' in problem
+
+
 def test_overrides_are_checked_without_writing_the_file(tmp_path):
     params = _project(tmp_path, TINY.read_text())
     before = params.read_bytes()
