@@ -30,13 +30,14 @@ def _forms(value: float) -> set[str]:
     return {f"{round(value, d):.{d}f}" for d in (2, 3, 4)} | {f"{round(abs(value), d):.{d}f}" for d in (2, 3, 4)}
 
 
-def _json_numbers(node: Any) -> Iterable[float]:
+def json_numbers(node: Any) -> Iterable[float]:
+    """Every number (not bool) in a parsed JSON document, depth first."""
     if isinstance(node, dict):
         for value in node.values():
-            yield from _json_numbers(value)
+            yield from json_numbers(value)
     elif isinstance(node, list):
         for value in node:
-            yield from _json_numbers(value)
+            yield from json_numbers(value)
     elif isinstance(node, (int, float)) and not isinstance(node, bool):
         yield float(node)
 
@@ -50,7 +51,7 @@ def report_numbers(root: Path) -> set[str]:
     written (Markdown)."""
     known: set[str] = set()
     for path in sorted((root / "reports").rglob("*.json")):
-        for value in _json_numbers(json.loads(path.read_text())):
+        for value in json_numbers(json.loads(path.read_text())):
             known |= _forms(value)
     for path in sorted((root / "reports").rglob("*.md")):
         known |= _text_numbers(path.read_text())

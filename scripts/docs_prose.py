@@ -42,6 +42,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable
 
+from scripts.docs_numbers import json_numbers
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXEMPT = ("docs/method.md", "docs/test_durations.md")
 RECORDS = ("docs/test_durations.md",)  # documents that are a measurement record, allowed as a source
@@ -65,17 +67,6 @@ class SourceError(ValueError):
 
 
 # ---- what a source holds ------------------------------------------------------------------------------------
-def _json_numbers(node: Any) -> Iterable[float]:
-    if isinstance(node, dict):
-        for value in node.values():
-            yield from _json_numbers(value)
-    elif isinstance(node, list):
-        for value in node:
-            yield from _json_numbers(value)
-    elif isinstance(node, (int, float)) and not isinstance(node, bool):
-        yield float(node)
-
-
 def _text_numbers(text: str) -> list[float]:
     return [float(m.group(0).replace(",", "")) for m in re.finditer(_NUM, text)]
 
@@ -161,7 +152,7 @@ def source_values(root: Path, source: str) -> tuple[float, ...]:
             if not isinstance(node, dict) or part not in node:
                 raise SourceError(f"source {source!r}: {rel} has no key {key!r} (missing {part!r})")
             node = node[part]
-        return tuple(_json_numbers(node))
+        return tuple(json_numbers(node))
     if key:
         raise SourceError(f"source {source!r}: a key (#...) is read from a JSON file only")
     return tuple(_text_numbers(path.read_text()))
