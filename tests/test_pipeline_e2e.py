@@ -123,7 +123,7 @@ def test_pipeline_runs_end_to_end_then_caches_and_reruns_only_downstream_of_a_ch
     assert "grpo's gain in held-out greedy accuracy over warmup" in summary and "(standard error" in summary
     # avg@k beside greedy: per question in every evaluation, the gains over warmup, the in-training curve
     assert "grpo's gain in held-out avg@2 over warmup" in summary and "## Gain over warmup" in summary
-    assert "## Sample efficiency, avg@k" in summary
+    assert "## Sample efficiency, avg@2" in summary  # pass_k 2 in params_tiny.yaml
     for path in (project_dir / "data" / "eval" / "warmup.json", project_dir / "data" / "eval" / "trace" / "s0.json"):
         sampled = json.loads(path.read_text())["sampled_by_question"]
         assert len(sampled) == 8 and all(v in (0.0, 0.5, 1.0) for v in sampled.values())  # 8 questions x 2 samples
