@@ -1,6 +1,6 @@
-"""The default step in float32 against bfloat16, the matrix products under it, and a stage's start-up cost.
+"""The default step in float32 against bfloat16, against the machine's matrix-product peak, and a stage's start-up.
 
-Three measurements in one run, on this machine:
+Four measurements in one run, on this machine:
 
 - **Matrix products**: GFLOP/s of ``torch.matmul`` in float32 and in bfloat16 at the default policy's shapes
   (a batch of ``micro_batch_size`` x ``tokens`` rows against the attention and MLP projections), each the
@@ -12,6 +12,13 @@ Three measurements in one run, on this machine:
   weights and seeds, one in float32 and one with ``policy.dtype: bfloat16`` and ``update.bf16: true``;
   steps alternate between them (float32 step 0, bf16 step 0, float32 step 1, ...), so load drifts hit both.
   Step 0 (first calls, DeepSpeed set-up) is reported apart; the ratio is of the medians of the rest.
+- **Against the machine's limit**: the peak GFLOP/s of ``torch.matmul`` per dtype (the best of large square
+  products, at the benchmark's thread count), and per phase of the same steps (predict, rollout, expand,
+  predictor fit, update, evaluation) the FLOPs that torch's ``FlopCounterMode`` counts on a second trainer per
+  dtype taking the same steps (``benchmarks.flops``), the achieved GFLOP/s and its share of the peak; the
+  step's time at the peak (``compute_bound_seconds``), how many times that the step takes, and the share of the
+  step outside the phases and outside model compute. ``auto_precision`` is what ``policy.dtype: auto`` resolves
+  to on this machine (``trace.precision``).
 - **Stage start-up**: in a fresh interpreter each, the seconds to import what a stage imports (``prefect``,
   ``mlflow``, ``torch``, ``transformers``, ``deepspeed``, ``flows.train``), and to import ``trace.tracking``
   and open, log to and close an MLflow run (``trace.tracking.stage_run``) on a new SQLite store and on one
@@ -36,9 +43,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from benchmarks.common import REPO_ROOT, figure_path, parse_args, pyplot, torch_threads, write_report
+from benchmarks.flops import matmul_peak
+from trace.precision import BF16_CPU_FLAGS, cpu_bf16_flags, cpu_model, native_bf16
 
 NAME = "step_dtype"
-BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 STARTUP_PROBES = {
     "python": "pass",
     "prefect": "import prefect",
@@ -60,13 +68,9 @@ print(time.perf_counter() - t0)
 
 
 def cpu_flags() -> dict[str, bool]:
-    """Which of ``BF16_FLAGS`` the CPU lists (``/proc/cpuinfo``; all False where it cannot be read)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        text = ""
-    words = set(text.split())
-    return {flag: flag in words for flag in BF16_FLAGS}
+    """Which of the native-bf16 flags (``trace.precision.BF16_CPU_FLAGS``) the CPU lists."""
+    listed = cpu_bf16_flags()
+    return {flag: flag in listed for flag in BF16_CPU_FLAGS}
 
 
 def matmul_rates(cfg: Any, tokens: int, repeats: int) -> list[dict]:
@@ -101,36 +105,66 @@ def matmul_rates(cfg: Any, tokens: int, repeats: int) -> list[dict]:
     return out
 
 
+def _trainer(cfg: Any, policy_dir: Path, env: Any, run_dir: Path) -> Any:
+    from trace.policy.model import load_policy
+    from trace.predictor import make_predictor
+    from trace.training.loop import Trainer
+
+    p = load_policy(policy_dir, dtype=cfg.policy.dtype)
+    return Trainer(cfg, "trace", policy=p, env=env, train_prompts=env.prompts("train"),
+                   eval_prompts=env.prompts("eval"), predictor=make_predictor(cfg.predictor, env=env, policy=p,
+                                                                              seed=cfg.seed),
+                   run_dir=run_dir, progress=False)
+
+
 def alternating_steps(params: Path, num_steps: int, quick: bool) -> dict:
-    """``num_steps`` default steps of a float32 and a bfloat16 trainer, alternating; per-step ``time/*``."""
+    """``num_steps`` default steps of a float32 and a bfloat16 trainer, alternating; per-step ``time/*``; and
+    the FLOPs of each phase of the same steps, counted on a second trainer per dtype (``benchmarks.flops``)."""
+    from benchmarks.flops import PhaseFlops
     from benchmarks.orchestration import warm_policy
     from trace.configuration.params_file import load_config
     from trace.envs.registry import make_environment
-    from trace.policy.model import load_policy, save_policy
-    from trace.predictor import make_predictor
-    from trace.training.loop import Trainer
+    from trace.policy.model import save_policy
 
     base = load_config(params)
     env = make_environment(base.task, base.seed, root=REPO_ROOT)
     policy, policy_info = warm_policy(base, env, 0 if quick else 80, 16, 0.003, cache=not quick)
     work = Path(tempfile.mkdtemp(prefix="trace-bench-dtype-"))
     save_policy(policy, work / "policy")
-    trainers, steps = {}, {"float32": [], "bfloat16": []}
+    trainers, counted, steps = {}, {}, {"float32": [], "bfloat16": []}
     for dtype in steps:
-        cfg = base if dtype == "float32" else load_config(params, overrides={
-            "policy.dtype": "bfloat16", "update.bf16": True})
-        p = load_policy(work / "policy", dtype=cfg.policy.dtype)
-        trainers[dtype] = Trainer(cfg, "trace", policy=p, env=env, train_prompts=env.prompts("train"),
-                                  eval_prompts=env.prompts("eval"),
-                                  predictor=make_predictor(cfg.predictor, env=env, policy=p, seed=cfg.seed),
-                                  run_dir=work / dtype, progress=False)
+        cfg = load_config(params, overrides={"policy.dtype": dtype, "update.bf16": dtype == "bfloat16"})
+        trainers[dtype] = _trainer(cfg, work / "policy", env, work / dtype)
+        counted[dtype] = (_trainer(cfg, work / "policy", env, work / f"{dtype}-counted"), PhaseFlops())
     for step in range(num_steps):
         for dtype, trainer in trainers.items():
             metrics = trainer.step(step)
             steps[dtype].append({k: float(v) for k, v in metrics.items()
                                  if k.startswith("time/") or k in ("reward/mean", "effective_ratio",
                                                                     "tokens/generated", "losses/grad_norm")})
-    return {"policy": policy_info, "policy_parameters": policy.num_parameters, "steps": steps}
+    flops: dict[str, list[dict]] = {dtype: [] for dtype in steps}
+    for dtype, (trainer, counter) in counted.items():
+        with counter.attributed(trainer):
+            for step in range(num_steps):
+                before = dict(counter.flops)
+                with counter.counting():
+                    trainer.step(step)
+                flops[dtype].append({k: v - before.get(k, 0) for k, v in counter.flops.items()})
+    return {"policy": policy_info, "policy_parameters": policy.num_parameters, "steps": steps, "flops": flops}
+
+
+def roofline_by_dtype(run: dict, peaks: dict) -> dict:
+    """``benchmarks.flops.roofline`` of steps 1.. (step 0 holds the first calls' set-up) per dtype."""
+    from benchmarks.flops import PHASES, roofline
+
+    out = {}
+    for dtype, rows in run["steps"].items():
+        first = 1 if len(rows) > 1 else 0
+        counts = run["flops"][dtype][first:]
+        flops = {k: sum(c.get(k, 0) for c in counts) for k in (*PHASES, "total")}
+        seconds = {p: sum(r.get(f"time/{p}", 0.0) for r in rows[first:]) for p in PHASES}
+        out[dtype] = roofline(flops, seconds, sum(r["time/step"] for r in rows[first:]), peaks[dtype]["gflops"])
+    return out
 
 
 def startup_seconds(repeats: int) -> dict:
@@ -172,9 +206,9 @@ def summarize(steps: dict) -> dict:
     return out
 
 
-def plot(summary: dict, startup: dict, out_dir: str) -> None:
+def plot(summary: dict, startup: dict, limits: dict, out_dir: str) -> None:
     plt = pyplot()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(16, 4))
     parts = ("time/rollout", "time/expand", "time/update", "time/predict", "time/predictor_fit")
     bottom = {"float32": 0.0, "bfloat16": 0.0}
     for part in parts:
@@ -184,6 +218,14 @@ def plot(summary: dict, startup: dict, out_dir: str) -> None:
             bottom[d] += v
     left.set_ylabel("seconds per default step (median)")
     left.legend(fontsize=8)
+    phases = sorted({p for d in limits.values() for p in d["phases"]})
+    width = 0.4
+    for i, (dtype, lim) in enumerate(limits.items()):
+        middle.bar([x + i * width for x in range(len(phases))],
+                   [100 * lim["phases"].get(p, {}).get("share_of_peak", 0.0) for p in phases], width, label=dtype)
+    middle.set_xticks([x + width / 2 for x in range(len(phases))], phases, fontsize=8)
+    middle.set_ylabel("achieved GFLOP/s, % of the dtype's matmul peak")
+    middle.legend(fontsize=8)
     names = [k for k in startup if k.startswith("import ")]
     right.barh(names, [startup[k] for k in names])
     right.set_xlabel("seconds in a fresh interpreter (median)")
@@ -200,23 +242,35 @@ def main(argv: Sequence[str] | None = None) -> dict:
     from trace.configuration.params_file import load_config
 
     cfg = load_config(params)
+    peak_shapes = ((256, 256, 256), (1024, 1024, 1024)) if args.quick else ((1024, 1024, 1024), (2048, 2048, 2048),
+                                                                           (4096, 4096, 4096))
     with torch_threads(args.threads):
         matmul = matmul_rates(cfg, tokens=64 if args.quick else 200, repeats=repeats)
+        peaks = {dtype: matmul_peak(dtype, 3 if args.quick else 5, peak_shapes) for dtype in ("float32", "bfloat16")}
         run = alternating_steps(params, num_steps, args.quick)
     startup = startup_seconds(1 if args.quick else 3)
     summary = summarize(run["steps"])
-    results = {"cpu_bf16_flags": cpu_flags(), "matmul": matmul, "default_step": {**run, "summary": summary},
+    limits = roofline_by_dtype(run, peaks)
+    auto = "bfloat16" if native_bf16() else "float32"
+    results = {"cpu_bf16_flags": cpu_flags(), "cpu_model": cpu_model(), "auto_precision": auto, "matmul": matmul,
+               "matmul_peak": peaks, "roofline": limits, "default_step": {**run, "summary": summary},
                "startup_seconds": startup,
-               "headline": {"cpu_bf16": "yes" if any(cpu_flags().values()) else "no",
+               "headline": {"cpu_bf16": "yes" if any(cpu_flags().values()) else "no", "auto_precision": auto,
                             "step_seconds_float32": summary["float32"]["time/step"],
                             "step_seconds_bfloat16": summary["bfloat16"]["time/step"],
+                            "step_seconds_auto": summary[auto]["time/step"],
                             "float32_over_bfloat16_step": summary["float32_over_bfloat16"]["time/step"],
+                            "float32_over_auto_step": summary["float32"]["time/step"] / summary[auto]["time/step"],
+                            "peak_gflops_float32": peaks["float32"]["gflops"],
+                            "peak_gflops_bfloat16": peaks["bfloat16"]["gflops"],
+                            "auto_step_over_compute_bound": limits[auto]["step_over_compute_bound"],
+                            "auto_outside_model_compute_share": limits[auto]["outside_model_compute_share"],
                             "matmul_bfloat16_over_float32": statistics.median(m["ratio"] for m in matmul),
                             "import_flows_train_seconds": startup["import flows.train"],
                             "mlflow_run_seconds": startup["mlflow run on an existing SQLite store"],
                             "targets": {"bfloat16_step_at_least_1.5x_faster":
                                         summary["float32_over_bfloat16"]["time/step"] >= 1.5}}}
-    plot(summary, startup, args.out)
+    plot(summary, startup, limits, args.out)
     settings = {"params": str(params.relative_to(REPO_ROOT)), "ablation": "trace", "steps_each": num_steps,
                 "matmul_repeats": repeats, "torch_threads": args.threads}
     write_report(NAME, args.out, settings, results, quick=args.quick, started=started)

@@ -167,12 +167,29 @@ def step_dtype_table(ctx: Context) -> str:
     rate = lambda m, d: _num(m[f"{d}_gflops"], 1)  # noqa: E731
     rows += [[f"matmul {' x '.join(f'{v:,}' for v in m['shape'])}: GFLOP/s", rate(m, "float32"), rate(m, "bfloat16"),
               _num(m["ratio"], 3)] for m in res["matmul"]]  # bf16 / float32 GFLOP/s = float32 / bf16 seconds
+    limits = res.get("roofline")
+    if limits:  # reports written before the roofline have none
+        peaks = res["matmul_peak"]
+        rows.append(["matmul peak (best of large square products): GFLOP/s", _num(peaks["float32"]["gflops"], 1),
+                     _num(peaks["bfloat16"]["gflops"], 1),
+                     _num(peaks["bfloat16"]["gflops"] / peaks["float32"]["gflops"], 3)])
+        for phase in ("rollout", "expand", "update", "eval"):
+            if all(phase in limits[d]["phases"] for d in ("float32", "bfloat16")):
+                cells = [limits[d]["phases"][phase] for d in ("float32", "bfloat16")]
+                rows.append([f"{phase}: achieved GFLOP/s (share of the dtype's peak)"]
+                            + [f"{_num(c['gflops'], 2)} ({_num(100 * c['share_of_peak'], 2)} %)" for c in cells] + [""])
+        rows.append(["step / its FLOPs at the peak (share outside model compute)"]
+                    + [f"{_num(limits[d]['step_over_compute_bound'], 0)}x "
+                       f"({_num(100 * limits[d]['outside_model_compute_share'], 1)} %)" for d in ("float32", "bfloat16")]
+                    + [""])
     flags = ", ".join(f"`{k}` {'yes' if v else 'no'}" for k, v in res["cpu_bf16_flags"].items())
+    if "cpu_model" in res:
+        flags = f"{res['cpu_model']}: {flags}; `policy.dtype: auto` runs {res['auto_precision']} here"
     startup = res["startup_seconds"]
     imports = "; ".join(f"{k.removeprefix('import ')} {_num(v, 1)} s" for k, v in startup.items()
                         if k.startswith("import ") and k != "import python")
     return (_table(["default step (median of steps 1..)", "float32", "bf16", "float32 / bf16 seconds"], rows) + "\n\n"
-            f"CPU flags: {flags}. Stage start-up, each in a fresh interpreter (median): {imports}; an MLflow run "
+            f"CPU: {flags}. Stage start-up, each in a fresh interpreter (median): {imports}; an MLflow run "
             f"opened, logged and closed on an existing SQLite store {_num(startup['mlflow run on an existing SQLite store'], 1)} s "
             f"(on a new one {_num(startup['mlflow run on a new SQLite store'], 1)} s).")
 

