@@ -226,7 +226,7 @@ class Trainer:
         metrics: dict[str, float] = dict(result.metrics)
         timings: dict[str, float] = dict(result.timings)
         truth = cfg.predictor.truth
-        if truth.every and (step + 1) % truth.every == 0 and is_main_process():
+        if truth.every and (step + 1) % truth.every == 0:  # every rank alike: the predictor's forward may be collective
             t0 = time.perf_counter()
             metrics.update(self._truth_audit(step, candidates, all_for_metrics))
             timings["time/truth"] = time.perf_counter() - t0
