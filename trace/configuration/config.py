@@ -22,6 +22,7 @@ from trace.configuration.config_allocators import AllocationConfig, GresoConfig,
     VipConfig  # noqa: F401  (re-exported: allocation and its per-rule sections)
 from trace.configuration.config_tasks import KGQAConfig, SimulatorConfig  # noqa: F401  (re-exported: task.kgqa, task.simulator)
 from trace.configuration.config_tasks import Section as _Section
+from trace.configuration.config_predictor import PredictorConfig, PredictorKind, TruthConfig  # noqa: F401  (re-exported)
 from trace.configuration.config_update import LoraConfig, UpdateConfig  # noqa: F401  (re-exported: update, update.lora)
 from trace.errors import UserError
 from trace.precision import resolve as resolve_precision, resolve_params
@@ -39,15 +40,6 @@ class Estimator(str, Enum):
     TREE_GRPO = "tree_grpo"
     TREERPO = "treerpo"
     TREEPO = "treepo"
-
-
-class PredictorKind(str, Enum):
-    ENCODER = "encoder"  # frozen sentence encoder + small head
-    HISTORY = "history"  # per-prompt Beta-Bernoulli posterior (roots only)
-    POLICY_HEAD = "policy_head"  # small head on the policy's last hidden state
-    ORACLE = "oracle"  # true probabilities from environments that know them
-    NOISY_ORACLE = "noisy_oracle"  # oracle plus logit noise (benchmarks)
-    HISTORY_PATH = "history_path"  # prompt history + simulator observations along the prefix (benchmarks)
 
 
 # one member per task of the registry (trace.tasks.TASKS), in its order: KGQA = "kgqa", ..., API_BANK = "api_bank"
@@ -145,19 +137,6 @@ class RolloutConfig(_Section):
     vllm_tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel GPUs")
     vllm_data_parallel_size: int = Field(1, ge=1, description="vLLM data parallel engines")
     vllm_gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM KV cache memory share")
-
-
-class PredictorConfig(_Section):
-    kind: PredictorKind = Field(PredictorKind.ENCODER, description="success-probability predictor")
-    window_steps: int = Field(8, ge=1, description="refit on the trees of the last N steps")
-    epochs: int = Field(20, ge=1, description="head training epochs per fit")
-    lr: float = Field(3e-3, gt=0, description="head learning rate")
-    hidden_size: int = Field(64, ge=1, description="head hidden width")
-    max_text_chars: int = Field(1000, ge=16, description="prefix text kept for the encoder (tail)")
-    prior_alpha: float = Field(1.0, gt=0, description="history predictor Beta prior successes")
-    prior_beta: float = Field(1.0, gt=0, description="history predictor Beta prior failures")
-    noise_std: float = Field(0.5, ge=0, description="noisy_oracle: std of logit noise")
-    clip: float = Field(0.02, ge=0, lt=0.5, description="predictions clipped to [clip, 1 - clip]")
 
 
 class AdvantageConfig(_Section):
@@ -353,7 +332,7 @@ class Config(_Section):
 
         Left out: the list of arms (``train.ablations``: adding an arm must not invalidate the others),
         ``train.steps_per_task`` (orchestration only), ``report`` (how results are judged), ``tracking`` and
-        ``launch``.
+        ``launch``; and ``predictor.truth`` while it is off (it never changes what an arm trains).
         """
         data = self.model_dump(mode="json")
         data["train"].pop("ablations", None)
@@ -361,6 +340,8 @@ class Config(_Section):
         data.pop("report", None)
         data.pop("tracking", None)
         data.pop("launch", None)
+        if not self.predictor.truth.every:  # the audit off: the hash of a run from before the section existed
+            data["predictor"].pop("truth")
         if self._shared_seed is not None and self._shared_seed != self.seed:
             data["shared_seed"] = self._shared_seed
         blob = json.dumps(data, sort_keys=True).encode()

@@ -1,8 +1,10 @@
 """The training loop of one arm: ``Trainer`` runs the TRACE training steps, with checkpoints and resume.
 
 One training step (docs/architecture.md#one-training-step): draw B candidate prompts -> score them with
-the predictor -> stage 1 root allocation -> bare rollouts -> stage 2 prefix expansion (``rounds`` times) -> score the
-predictor on the new trees, then refit it on a sliding window -> advantages -> policy update -> metrics.
+the predictor -> stage 1 root allocation -> bare rollouts -> stage 2 prefix expansion (``rounds`` times) -> every
+``predictor.truth.every`` steps, score the predictor against Monte-Carlo truth on an unselected sample (its rollouts
+never train) -> score the predictor on the new trees, then refit it on a sliding window -> advantages -> policy
+update -> metrics.
 Every arm (``trace.allocation.arms.ARMS``) spends exactly ``allocation.trajectory_budget``
 trajectories per step (DAPO: at most that many, it filters instead of topping up).
 
@@ -192,6 +194,19 @@ class Trainer:
             raise RuntimeError(f"the predictor differs between ranks after the refit (state digests {digests}); "
                                "every rank must see the same trees and run the same deterministic fit")
 
+    def _truth_audit(self, step: int, candidates: Sequence[Prompt], trees: Sequence[RolloutTree]) -> dict[str, float]:
+        """``predictor.truth``: the predictor's forecasts on an unselected sample against Monte-Carlo truth, before
+        its refit (``trace.predictor.ground_truth``); own salts and generator, nothing added to ``trees``."""
+        from trace.predictor.ground_truth import audit_forecasts
+
+        cfg, truth = self.cfg, self.cfg.predictor.truth
+        sampler = PolicySampler(self.policy, self.env, self.backend, self.predictor,
+                                lambda salt: sampling_spec(cfg.rollout, step_seed(cfg.seed, step, salt)),
+                                step=step, ablation=self.ablation, max_context_tokens=cfg.policy.max_context_tokens)
+        metrics, _ = audit_forecasts(sampler, candidates, trees, num_roots=truth.roots, num_prefixes=truth.prefixes,
+                                     samples=truth.samples, rng=step_rng(cfg.seed, step, "truth"))
+        return metrics
+
     def step(self, step: int) -> dict[str, float]:
         """Run one training step and write its trees; returns its metrics (also logged)."""
         from trace.advantages.estimators import assign_advantages
@@ -210,6 +225,11 @@ class Trainer:
         trees, all_for_metrics = result.trees, result.sampled_trees
         metrics: dict[str, float] = dict(result.metrics)
         timings: dict[str, float] = dict(result.timings)
+        truth = cfg.predictor.truth
+        if truth.every and (step + 1) % truth.every == 0:  # every rank alike: the predictor's forward may be collective
+            t0 = time.perf_counter()
+            metrics.update(self._truth_audit(step, candidates, all_for_metrics))
+            timings["time/truth"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
         if all_for_metrics:
