@@ -94,6 +94,22 @@ class PhaseFlops:
                 self.flops["total"] += counter.get_total_flops()
 
 
+def matmul_gflops(m: int, k: int, n: int, dtype_name: str, repeats: int) -> float:
+    """GFLOP/s of one (m, k) x (k, n) ``torch.matmul`` in ``dtype_name`` (``2 m k n`` FLOPs over the median of
+    ``repeats`` timings after one warm-up product), at the current thread count."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+    torch.matmul(a, b)
+    seconds = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.matmul(a, b)
+        seconds.append(time.perf_counter() - t0)
+    return 2 * m * k * n / statistics.median(seconds) / 1e9
+
+
 def matmul_peak(dtype_name: str, repeats: int, shapes: tuple[tuple[int, int, int], ...]) -> dict:
     """The highest GFLOP/s ``torch.matmul`` reaches in ``dtype_name`` over ``shapes`` (median of ``repeats``
     timings each): the machine's measured limit for a phase's achieved rate, at the current thread count.
@@ -101,19 +117,7 @@ def matmul_peak(dtype_name: str, repeats: int, shapes: tuple[tuple[int, int, int
     Returns:
         ``{"gflops": best, "shape": [M, K, N] of the best, "by_shape": [{"shape", "gflops"}, ...]}``.
     """
-    import torch
-
-    dtype = getattr(torch, dtype_name)
-    by_shape = []
-    for m, k, n in shapes:
-        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-        torch.matmul(a, b)
-        seconds = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            torch.matmul(a, b)
-            seconds.append(time.perf_counter() - t0)
-        by_shape.append({"shape": [m, k, n], "gflops": 2 * m * k * n / statistics.median(seconds) / 1e9})
+    by_shape = [{"shape": [m, k, n], "gflops": matmul_gflops(m, k, n, dtype_name, repeats)} for m, k, n in shapes]
     best = max(by_shape, key=lambda r: r["gflops"])
     return {"gflops": best["gflops"], "shape": best["shape"], "by_shape": by_shape}
 

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from benchmarks.common import REPO_ROOT, figure_path, parse_args, pyplot, torch_threads, write_report
-from benchmarks.flops import matmul_peak
+from benchmarks.flops import matmul_gflops, matmul_peak
 from trace.precision import BF16_CPU_FLAGS, cpu_bf16_flags, cpu_model, native_bf16
 
 NAME = "step_dtype"
@@ -84,22 +84,11 @@ def matmul_rates(cfg: Any, tokens: int, repeats: int) -> list[dict]:
     Returns:
         One dict per shape: ``shape`` (M, K, N), ``float32_gflops``, ``bfloat16_gflops``, ``ratio`` (bf16 / fp32).
     """
-    import torch
-
     rows = cfg.update.micro_batch_size * tokens
     h, f = cfg.policy.hidden_size, cfg.policy.intermediate_size
     out = []
     for m, k, n in ((rows, h, h), (rows, h, f), (rows, f, h)):
-        rates = {}
-        for dtype in (torch.float32, torch.bfloat16):
-            a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-            torch.matmul(a, b)
-            seconds = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                torch.matmul(a, b)
-                seconds.append(time.perf_counter() - t0)
-            rates[str(dtype).removeprefix("torch.")] = 2 * m * k * n / statistics.median(seconds) / 1e9
+        rates = {dtype: matmul_gflops(m, k, n, dtype, repeats) for dtype in ("float32", "bfloat16")}
         out.append({"shape": [m, k, n], "float32_gflops": rates["float32"], "bfloat16_gflops": rates["bfloat16"],
                     "ratio": rates["bfloat16"] / rates["float32"]})
     return out
