@@ -3,7 +3,8 @@ claims, and what this project measured (the simulator benchmark and the all-arms
 
 from __future__ import annotations
 
-from scripts.docs_tables_common import Context, _diff, _finite, _missing, _num, _table
+from scripts.docs_tables_common import Context, _finite, _missing, _num, _table
+from scripts.docs_tables_runs import _diff, _judged, _verdict_rule
 
 __all__ = ["ALLOCATORS", "allocators_table"]
 
@@ -35,6 +36,7 @@ def allocators_table(ctx: Context, key: str = "all-arms") -> str:
     if metrics is None:
         return _missing(ctx, key)
     abl = metrics["ablations"]
+    verdicts = _judged(abl)["verdicts"]
     rows = []
     for arm, (method, state, original, claim) in ALLOCATORS.items():
         sim = bench.get(arm, {}).get("ratio_vs_grpo")
@@ -44,11 +46,12 @@ def allocators_table(ctx: Context, key: str = "all-arms") -> str:
         traj = (entry.get("mean", {}).get("trajectories/step") or {}).get("mean")
         vs = entry.get("vs_grpo", {})
         rows.append([f"`{arm}`", method, state, original, f"{_num(traj, 0)}" if _finite(traj) else "n/a", claim,
-                     sim_cell, _diff(vs.get("effective ratio")), _diff(vs.get("eval mean@k"))])
+                     sim_cell, _diff(vs.get("effective ratio"), verdicts.get((arm, "vs_grpo", "effective ratio"))),
+                     _diff(vs.get("eval mean@k"), verdicts.get((arm, "vs_grpo", "eval mean@k")))])
     note = (f"Simulator: `reports/benchmarks/allocation_quality.json` (`allocators_on_one_budget`, the ratio of effective "
             f"ratios to `grpo`'s, same seeds). Default task: [`reports/runs/{folder}/metrics.json`]"
-            f"({ctx.link(f'reports/runs/{folder}/metrics.json')}), arm minus `grpo` at the same seed; *real* only when "
-            "the interval excludes 0. Claims paraphrase each paper's abstract; none of the four reads the success "
+            f"({ctx.link(f'reports/runs/{folder}/metrics.json')}), arm minus `grpo` at the same seed ({_verdict_rule(ctx)}). "
+            "Claims paraphrase each paper's abstract; none of the four reads the success "
             "predictor.")
     return _table(["arm", "method", "state across steps", "the original spends per step", "here, trajectories/step",
                    "paper's claim", "simulator: effective ratio / grpo", "default task: effective ratio - grpo",

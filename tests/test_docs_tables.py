@@ -284,8 +284,8 @@ def test_the_allocators_table_reads_the_simulator_ratio_and_the_default_task_dif
     rows = {line.split(" | ")[0][2:]: line for line in allocators_table(ctx).splitlines() if line.startswith("| `")}
     assert list(rows) == [f"`{arm}`" for arm in ALLOCATORS]
     assert rows["`mopps`"].endswith("| 128 | predicts prompt difficulty online; faster training with far fewer rollouts "
-                                    "| 1.26 [1.19, 1.33] | +0.120 [+0.050, +0.190] real | "
-                                    "-0.010 [-0.040, +0.020] within noise |")
+                                    "| 1.26 [1.19, 1.33] | +0.120 t [+0.050, +0.190]* real after correction | "
+                                    "-0.010 t [-0.040, +0.020]* within noise |")  # the report's rule and verdicts
     assert rows["`vip`"].endswith("| n/a | n/a | n/a |")  # not in the report: said, not invented
     empty = docs_tables.Context(root=tmp_path, doc=tmp_path / "README.md", index={"all-arms": None})
     assert "No committed report yet" in allocators_table(empty)
