@@ -67,8 +67,10 @@ def benchmarks_table(ctx: Context) -> str:
                  f"{_num(step['full_bf16_step_seconds'], 1)} / {_num(step['lora_bf16_step_seconds'], 1)}; "
                  f"{_num(100 * step['outside_the_model_share'], 1)} %", "measured; < 10 %",
                  _met(step["targets"]["outside_the_model_under_10pct"])])
-    dtype = ctx.benchmark("step_dtype")["results"]["headline"]
-    rows.append([f"default step, float32 / bf16 seconds (this CPU's native bf16 instructions: {dtype['cpu_bf16']})",
+    dtype_results = ctx.benchmark("step_dtype")["results"]
+    dtype = dtype_results["headline"]
+    cpu = dtype_results.get("cpu_model", "this CPU")
+    rows.append([f"default step, float32 / bf16 seconds ({cpu}; native bf16 instructions: {dtype['cpu_bf16']})",
                  f"{_num(dtype['step_seconds_float32'], 2)} s / {_num(dtype['step_seconds_bfloat16'], 2)} s = "
                  f"{_num(dtype['float32_over_bfloat16_step'], 2)}", ">= 1.5",
                  _met(dtype["targets"]["bfloat16_step_at_least_1.5x_faster"])])

@@ -179,7 +179,7 @@ def test_the_report_names_the_precision_and_cpu_of_the_train_runs():
     amx = {"precision": "bfloat16", "cpu": "Intel(R) Xeon(R) Platinum 8480+ (avx512_bf16, amx_bf16)"}
     zen2 = {"precision": "float32", "cpu": "AMD EPYC 7R32 (no native bf16)"}
     same = {"grpo": {0: {"machine": amx}, 1: {"machine": amx}}, "trace": {0: {"machine": amx}}}
-    assert _machine_line(same) == f"Train runs in **bfloat16** on {amx['cpu']} (`policy.dtype`, `trace.cpu` tags)."
+    assert _machine_line(same) == f"Train runs in **bfloat16** on {amx['cpu']} (`trace.precision`, `trace.cpu` tags)."
     mixed = {"grpo": {0: {"machine": amx}, 1: {"machine": zen2}}, "trace": {0: {"machine": zen2}}}
     assert _machine_line(mixed) == (f"Train runs on mixed machines: 1 in bfloat16 on {amx['cpu']}; "
                                     f"2 in float32 on {zen2['cpu']}.")

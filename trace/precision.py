@@ -3,7 +3,8 @@
 bf16 matrix products are several times faster than float32 where the hardware computes them natively: on CPUs
 that list ``avx512_bf16`` or ``amx_bf16`` in ``/proc/cpuinfo`` (Intel Cooper Lake, Sapphire Rapids and later,
 AMD Zen 4 and later) and on CUDA GPUs that support bf16 (Ampere and later). Elsewhere torch converts bf16 to
-float32 around each product, and a bf16 run is slower than a float32 one (``reports/benchmarks/step_dtype.json``).
+float32 around each product, and a bf16 step was about 9 times slower than a float32 one on an AMD EPYC without
+AVX-512 (``reports/benchmarks/step_dtype.json`` as committed at 50d86ab).
 
 ``auto`` resolves when a config is validated, so every stage, its MLflow params (``policy.dtype``,
 ``update.bf16``) and its tags (``trace.precision``, ``trace.cpu``) hold the precision it ran in:
@@ -62,7 +63,7 @@ def _cuda_bf16() -> bool | None:
 
     if not torch.cuda.is_available():
         return None
-    return bool(torch.cuda.is_bf16_supported())
+    return bool(torch.cuda.is_bf16_supported(including_emulation=False))  # emulated bf16 (V100, T4) is slow
 
 
 @functools.lru_cache(maxsize=None)

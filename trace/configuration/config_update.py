@@ -54,7 +54,9 @@ class UpdateConfig(Section):
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping")
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage")
     bf16: Union[bool, Literal["auto"]] = Field(
-        "auto", validate_default=True, description="DeepSpeed bf16; auto: as policy.dtype resolves (trace/precision.py)")
+        "auto", validate_default=True,
+        description="DeepSpeed bf16; auto: as policy.dtype resolves in the whole config, bf16 where native alone "
+                    "(trace/precision.py)")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward")
     offload_optimizer: bool = Field(False, description="ZeRO optimizer offload to CPU")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters instead of full fine-tuning")

@@ -121,7 +121,7 @@ def _machine_line(results: dict) -> str:
         return ""
     if len(seen) == 1:
         (precision, cpu), = seen
-        return f"Train runs in **{precision}** on {cpu} (`policy.dtype`, `trace.cpu` tags)."
+        return f"Train runs in **{precision}** on {cpu} (`trace.precision`, `trace.cpu` tags)."
     return "Train runs on mixed machines: " + "; ".join(
         f"{n} in {precision} on {cpu}" for (precision, cpu), n in sorted(seen.items())) + "."
 
