@@ -207,6 +207,8 @@ def markdown(summary: dict, reference: str, order: Sequence[str] | None = None) 
             cells += ([f"{e['avgk_after']:.3f}", _interval_text(e["avgk_gain"]),
                        _interval_text(e["avgk_vs_reference"])] if "avgk_gain" in e else ["-", "-", "-"])
         lines.append("| " + " | ".join(cells + [probe, f"{e['train_reward_last10']:.3f}"]) + " |")
+    if not any("seed_low" in (summary[n]["held_out_gain"] or {}) for n in names):
+        return "\n".join(lines)  # a summary written before the seed interval was kept: the bootstrap alone
     legend = ("Intervals: the paired bootstrap over seeds and questions, then the t-interval over seeds; `*` marks "
               "the one that decides (the larger p). A difference is real only when both exclude 0. Margin verdicts "
               "read the hull of both intervals against delta.")

@@ -108,7 +108,10 @@ def _seeded(values: dict[str, list[float]], curves: list[list[float]] | None = N
         if audit:
             history.update({"audit/expected_mixed_groups": [(0, 4.0), (1, 6.0)],
                             "audit/mixed_groups": [(0, 3.0), (1, 4.0)],
-                            "audit/expected_flips": [(0, 1.0)], "audit/flips": [(0, 2.0)]})
+                            "audit/expected_flips": [(0, 1.0)], "audit/flips": [(0, 2.0)],
+                            "audit/integrated_mixed_groups": [(0, 3.0), (1, 3.5)],
+                            "truth/root_ece": [(1, 0.1 * (seed + 1))], "truth/root_auc": [(1, 0.7)],
+                            "truth/rollouts": [(1, 96.0)]})
         out[seed] = {"run_id": f"r{seed}", "experiment_id": "7", "history": history,
                      "summary": {"arm/eff_ratio": values["eff"][seed]},
                      "eval": {"accuracy/greedy": values["acc"][seed]}}
@@ -194,7 +197,11 @@ def test_three_seeds_show_intervals_and_call_only_intervals_that_exclude_zero_re
     assert "| trace | 275 | 2/3 | s0: 250, s1: 275, s2: > 300 (censored) |" in declared
     # the audit: mean over steps then seeds; only trace logged it
     assert "## Allocation audit" in text
-    assert "| trace | 5.00 ± 0.00 | 3.50 ± 0.00 | 1.00 ± 0.00 | 2.00 ± 0.00 |" in text
+    assert "| trace | 5.00 ± 0.00 | 3.25 ± 0.00 | 3.50 ± 0.00 | 1.00 ± 0.00 | nan | 2.00 ± 0.00 |" in text
+    # the predictor against Monte-Carlo truth, where an arm logged it: ECE 0.1, 0.2, 0.3 over seeds
+    assert "## Predictor" in text
+    assert "| trace | root | 0.200 ± 0.248 | nan | nan | nan | 0.700 ± 0.000 | nan | nan |" in text
+    assert "| trace | prefix | nan |" in text and "`trace` audit 96" in text
 
 
 def test_the_seeds_line_names_an_arm_that_ran_other_seeds_instead_of_the_union():

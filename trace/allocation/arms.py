@@ -28,6 +28,11 @@ Root rules (``ROOT_RULES``), each ``fn(RootRequest) -> RootDecision``:
 ``greso``, ``mopps`` and ``vip`` keep state across steps (``make_allocator_state``; the training loop saves it
 in its checkpoints); none of the four reads the success predictor.
 
+Diagnostic arms (``DIAGNOSTIC_ARMS``) are bounds, not methods: ``trace_oracle`` is ``trace`` allocating on
+Monte-Carlo success rates (``Arm.scores = "monte_carlo"``, ``allocation.oracle_samples`` fresh rollouts per
+candidate prompt and prefix, outside the budget and never trained on) instead of the predictor's forecasts,
+the most a perfect predictor could buy. ``train.ablations`` accepts them; the grid (``ARMS``) leaves them out.
+
 To add an arm: register its root rule here (``@register_root_rule``) if it needs a new one, and add its row
 to ``ARMS``; ``train.ablations`` accepts every registered arm.
 """
@@ -47,6 +52,7 @@ from trace.allocation.root import allocate_roots, canonical_order, check_root_bu
 
 __all__ = [
     "ARMS",
+    "DIAGNOSTIC_ARMS",
     "RootPlan",
     "get_arm",
     "make_allocator_state",
@@ -128,25 +134,31 @@ def knapsack_root_rule(request: RootRequest) -> RootDecision:
 
 # ---- the arms ------------------------------------------------------------------------------------------
 ARMS: dict[str, Arm] = {}
+DIAGNOSTIC_ARMS: dict[str, Arm] = {}
+SCORES = ("predictor", "monte_carlo")
 
 
-def register_arm(arm: Arm) -> Arm:
-    """Add a row to ``ARMS``.
+def register_arm(arm: Arm, diagnostic: bool = False) -> Arm:
+    """Add a row to ``ARMS`` (or with ``diagnostic`` to ``DIAGNOSTIC_ARMS``).
 
     Args:
         arm: the row; its root and prefix rules must be registered.
+        diagnostic: a bound rather than a method, left out of the grid.
 
     Returns:
         ``arm``.
 
     Raises:
-        ValueError: the name is taken, or a rule it names is not registered (the message lists the valid ones).
+        ValueError: the name is taken, a rule it names is not registered (the message lists the valid ones),
+            or ``arm.scores`` is not one of ``SCORES``.
     """
-    if arm.name in ARMS:
-        raise ValueError(f"arm {arm.name!r} is registered already: {ARMS[arm.name]}")
+    if arm.name in ARMS or arm.name in DIAGNOSTIC_ARMS:
+        raise ValueError(f"arm {arm.name!r} is registered already: {ARMS.get(arm.name, DIAGNOSTIC_ARMS.get(arm.name))}")
     get_root_rule(arm.root_rule)
     get_prefix_rule(arm.prefix_rule)
-    ARMS[arm.name] = arm
+    if arm.scores not in SCORES:
+        raise ValueError(f"arm {arm.name!r}: scores={arm.scores!r}; use one of {SCORES}")
+    (DIAGNOSTIC_ARMS if diagnostic else ARMS)[arm.name] = arm
     return arm
 
 
@@ -166,6 +178,9 @@ for _row in (
     Arm("vip", "vip", "none", "grpo", uses_predictor=False),  # GP forecast, variance-minimising counts
 ):
     register_arm(_row)
+# both stages on Monte-Carlo success rates instead of the predictor: what a perfect predictor buys (an upper bound)
+register_arm(Arm("trace_oracle", "trace", "trace", "tree_grpo", uses_predictor=True, scores="monte_carlo"),
+             diagnostic=True)
 
 
 def get_arm(name: str) -> Arm:
@@ -175,9 +190,9 @@ def get_arm(name: str) -> Arm:
         ValueError: unknown name; the message lists the registered arms.
     """
     try:
-        return ARMS[name]
+        return ARMS[name] if name in ARMS else DIAGNOSTIC_ARMS[name]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown ablation {name!r}; valid names: {', '.join(ARMS)} "
+        raise ValueError(f"unknown ablation {name!r}; valid names: {', '.join([*ARMS, *DIAGNOSTIC_ARMS])} "
                          "(set train.ablations in params.yaml)") from None
 
 

@@ -73,6 +73,8 @@ class Arm:
         prefix_rule: a ``PREFIX_RULES`` name: how stage-2 continuations are placed (``"none"``: no stage 2).
         estimator: default advantage estimator (``trace.advantages.ESTIMATORS`` name).
         uses_predictor: the arm reads ``V_hat`` (roots or anchors) to allocate.
+        scores: what ``V_hat`` is: ``"predictor"`` (the success predictor) or ``"monte_carlo"`` (fresh rollouts
+            under the current policy, outside the budget: ``trace.allocation.samplers.MonteCarloScorer``).
     """
 
     name: str
@@ -80,6 +82,7 @@ class Arm:
     prefix_rule: str
     estimator: str
     uses_predictor: bool
+    scores: str = "predictor"
 
     @property
     def has_expansion(self) -> bool:

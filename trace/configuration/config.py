@@ -15,11 +15,11 @@ from typing import Any, Literal, Optional
 
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from trace.allocation.arms import ARMS, get_arm, root_budget_for
+from trace.allocation.arms import ARMS, DIAGNOSTIC_ARMS, get_arm, root_budget_for
 from trace.allocation.registry import get_root_rule
 from trace.allocation.root import check_root_budget_feasible
-from trace.configuration.config_allocators import AllocationConfig, GresoConfig, MoppsConfig, ReinforceAdaConfig, \
-    VipConfig  # noqa: F401  (re-exported: allocation and its per-rule sections)
+from trace.configuration.config_allocators import ORACLE_SAMPLES, AllocationConfig, GresoConfig, MoppsConfig, \
+    ReinforceAdaConfig, VipConfig  # noqa: F401  (re-exported: allocation and its per-rule sections)
 from trace.configuration.config_tasks import KGQAConfig, SimulatorConfig  # noqa: F401  (re-exported: task.kgqa, task.simulator)
 from trace.configuration.config_tasks import Section as _Section
 from trace.configuration.config_predictor import PredictorConfig, PredictorKind, TruthConfig  # noqa: F401  (re-exported)
@@ -185,7 +185,7 @@ class TrainConfig(_Section):
     @field_validator("ablations", mode="before")
     @classmethod
     def _names(cls, v: Any) -> Any:
-        valid = list(ARMS)
+        valid = [*ARMS, *DIAGNOSTIC_ARMS]
         for name in v or []:
             if isinstance(name, str) and name not in valid:
                 raise ValueError(f"unknown ablation {name!r}; valid names: {valid}")
@@ -332,7 +332,8 @@ class Config(_Section):
 
         Left out: the list of arms (``train.ablations``: adding an arm must not invalidate the others),
         ``train.steps_per_task`` (orchestration only), ``report`` (how results are judged), ``tracking`` and
-        ``launch``; and ``predictor.truth`` while it is off (it never changes what an arm trains).
+        ``launch``; ``predictor.truth`` while it is off (it never changes what an arm trains), and
+        ``allocation.oracle_samples`` at its default (only ``trace_oracle`` reads it).
         """
         data = self.model_dump(mode="json")
         data["train"].pop("ablations", None)
@@ -342,6 +343,8 @@ class Config(_Section):
         data.pop("launch", None)
         if not self.predictor.truth.every:  # the audit off: the hash of a run from before the section existed
             data["predictor"].pop("truth")
+        if self.allocation.oracle_samples == ORACLE_SAMPLES:  # read by trace_oracle alone; as before it existed
+            data["allocation"].pop("oracle_samples")
         if self._shared_seed is not None and self._shared_seed != self.seed:
             data["shared_seed"] = self._shared_seed
         blob = json.dumps(data, sort_keys=True).encode()

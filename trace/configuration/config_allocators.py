@@ -15,7 +15,9 @@ from pydantic import Field, model_validator
 
 from trace.configuration.config_tasks import Section
 
-__all__ = ["AllocationConfig", "ReinforceAdaConfig", "GresoConfig", "MoppsConfig", "VipConfig"]
+__all__ = ["AllocationConfig", "ReinforceAdaConfig", "GresoConfig", "MoppsConfig", "VipConfig", "ORACLE_SAMPLES"]
+
+ORACLE_SAMPLES = 16  # allocation.oracle_samples: K of the Monte-Carlo estimates, as the audit's (predictor.truth)
 
 
 class ReinforceAdaConfig(Section):
@@ -112,6 +114,8 @@ class AllocationConfig(Section):
         "the paper's) or expected root leaves in them sum m A(p,m) (leaves); docs/method.md#root-allocation")
     dapo_max_retries: int = Field(4, ge=0, description="dapo: extra sampling rounds before giving up")
     treepo_width: int = Field(2, ge=1, description="treepo: branches added at each turn depth")
+    oracle_samples: int = Field(ORACLE_SAMPLES, ge=1, description="trace_oracle: fresh rollouts per candidate prompt "
+                                "and prefix whose mean reward it allocates on (outside the budget, never trained on)")
     reinforce_ada: ReinforceAdaConfig = Field(default_factory=ReinforceAdaConfig,
                                               description="reinforce_ada: rounds per prompt until it retires")
     greso: GresoConfig = Field(default_factory=GresoConfig, description="greso: probabilistic skips of agreed prompts")

@@ -183,12 +183,12 @@ def _copy_with_state(tree: RolloutTree) -> RolloutTree:
 
 
 def monte_carlo_truth(sampler: Any, prompts: Sequence, prefixes: Sequence[tuple[RolloutTree, int]],
-                      samples: int = 16) -> TruthSample:
+                      samples: int = 16, *, root_salt: str = ROOT_SALT, prefix_salt: str = PREFIX_SALT) -> TruthSample:
     """Estimate the true success probability of roots and prefixes by ``samples`` fresh continuations each.
 
-    Roots are sampled into new trees (``sampler.sample_roots(prompts, [K] * R, "truth_roots")``); each prefix is
+    Roots are sampled into new trees (``sampler.sample_roots(prompts, [K] * R, root_salt)``); each prefix is
     continued on its own copy of its tree (``sampler.sample_continuations(copies, {(j, node_id): K},
-    "truth_prefixes")``), so the given trees are left as they were.
+    prefix_salt)``), so the given trees are left as they were.
 
     Args:
         sampler: a ``trace.allocation.step.StepSampler`` (``PolicySampler`` in training), whose salts seed the
@@ -197,6 +197,8 @@ def monte_carlo_truth(sampler: Any, prompts: Sequence, prefixes: Sequence[tuple[
         prefixes: P ``(tree, node_id)`` pairs: non-terminal nodes holding an ``env_state`` (trees sampled in
             this process).
         samples: ``K >= 1`` continuations per root and per prefix.
+        root_salt, prefix_salt: the sampler salts (default the audit's, ``"truth_roots"``, ``"truth_prefixes"``;
+            ``trace.allocation.samplers.MonteCarloScorer`` passes its own).
 
     Returns:
         ``TruthSample``; its standard errors are ``sqrt(p (1 - p) / K)``.
@@ -209,7 +211,7 @@ def monte_carlo_truth(sampler: Any, prompts: Sequence, prefixes: Sequence[tuple[
     root_rewards: list[np.ndarray] = []
     num_tokens = 0
     if prompts:
-        for tree in sampler.sample_roots(list(prompts), [samples] * len(prompts), ROOT_SALT):
+        for tree in sampler.sample_roots(list(prompts), [samples] * len(prompts), root_salt):
             root_rewards.append(tree.leaf_rewards())
             num_tokens += tree.num_generated_tokens()
     prefix_rewards: list[np.ndarray] = []
@@ -217,7 +219,7 @@ def monte_carlo_truth(sampler: Any, prompts: Sequence, prefixes: Sequence[tuple[
         copies = [_copy_with_state(tree) for tree, _ in prefixes]
         sizes = [len(c.nodes) for c in copies]
         sampler.sample_continuations(copies, {(j, int(node_id)): samples for j, (_, node_id) in enumerate(prefixes)},
-                                     PREFIX_SALT)
+                                     prefix_salt)
         for copy, size in zip(copies, sizes):
             new_leaves = [n for n in copy.leaves() if n.node_id >= size]
             prefix_rewards.append(np.array([copy.reward_of(n) for n in new_leaves], dtype=np.float64))

@@ -14,6 +14,11 @@ its outcome points at the predictor (with the true ``V`` as predictor, realised 
 A forecast needs predictions: arms that read none get NaN (the MLflow logger skips non-finite values), while
 the realised counts are defined for every arm.
 
+Both forecasts plug a point ``p`` into a concave function, which over-forecasts whenever the predictor is not
+sharp. ``integrated_metrics`` gives the same two forecasts integrated over the true probability's spread
+around the forecast (``trace.predictor.forecast.ForecastModel``, fitted on the previous steps' outcomes:
+``root_outcomes``, ``anchor_outcomes``): ``audit/integrated_mixed_groups`` and ``audit/integrated_flips``.
+
 Invariant: pure functions of the step's record (``trace.allocation.step.StepResult``) and trees; they draw
 no random numbers and change nothing.
 """
@@ -27,6 +32,7 @@ import numpy as np
 from trace.allocation.prefix import prefix_value
 from trace.allocation.root import activation_prob
 from trace.allocation.step import AnchorChoice, StepResult
+from trace.predictor.forecast import fit_forecast_model
 from trace.tree import Origin, RolloutTree
 
 __all__ = [
@@ -38,10 +44,14 @@ __all__ = [
     "continuation_rewards",
     "realised_flips",
     "audit_metrics",
+    "root_outcomes",
+    "anchor_outcomes",
+    "integrated_metrics",
 ]
 
 AUDIT_METRIC_KEYS = ("audit/groups", "audit/expected_mixed_groups", "audit/mixed_groups", "audit/anchors",
                      "audit/expected_flips", "audit/flips")
+INTEGRATED_METRIC_KEYS = ("audit/integrated_mixed_groups", "audit/integrated_flips")
 
 
 def _is_mixed(rewards: np.ndarray) -> bool:
@@ -213,3 +223,76 @@ def audit_metrics(result: StepResult) -> dict[str, float]:
         "audit/expected_flips": expected_flips(result.anchors),
         "audit/flips": float(realised_flips(result.trees, result.anchors)),
     }
+
+
+def _columns(rows: list[tuple[float, float, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    if not rows:
+        return np.zeros(0), np.zeros(0), np.zeros(0, dtype=np.int64)
+    p, s, n = zip(*rows)
+    return np.array(p), np.array(s), np.array(n, dtype=np.int64)
+
+
+def root_outcomes(trees: Sequence[RolloutTree]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(pred, successes, trials)``, (R,) each, of the root groups that carry a forecast: the root's
+    ``pred_success_prob`` and its bare root rollouts' rewards (``root_rollout_rewards``, clipped to [0, 1]).
+    Stage 1 chose these groups by the forecast alone, so their outcomes given it are not selected."""
+    rows = []
+    for tree in trees:
+        p = tree.nodes[0].pred_success_prob
+        rewards = root_rollout_rewards(tree)
+        if p is not None and np.isfinite(p) and rewards.size:
+            rows.append((float(p), float(np.clip(rewards, 0, 1).sum()), int(rewards.size)))
+    return _columns(rows)
+
+
+def anchor_outcomes(trees: Sequence[RolloutTree]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(pred, successes, trials)``, (A,) each, of every branched anchor that carries a forecast: the rewards of
+    its own continuations (``continuation_rewards``) and of the root rollouts through it (the factual trajectory
+    the rule chose it by: in the likelihood, that choice is ignorable)."""
+    rows = []
+    for tree in trees:
+        continuations = continuation_rewards(tree)
+        if not continuations:
+            continue
+        factual: dict[int, list[float]] = {}
+        for leaf in tree.leaves():
+            node = leaf
+            while leaf.origin == Origin.ROLLOUT and node.parent_id >= 0:
+                node = tree.nodes[node.parent_id]
+                if node.node_id in continuations:
+                    factual.setdefault(node.node_id, []).append(tree.reward_of(leaf))
+        for anchor, rewards in continuations.items():
+            p = tree.nodes[anchor].pred_success_prob
+            if p is not None and np.isfinite(p):
+                outcomes = np.clip(np.concatenate([rewards, factual.get(anchor, [])]), 0, 1)
+                rows.append((float(p), float(outcomes.sum()), int(outcomes.size)))
+    return _columns(rows)
+
+
+def integrated_metrics(result: StepResult, previous_trees: Sequence[RolloutTree]) -> dict[str, float]:
+    """The step's forecasts integrated over the spread of the truth around the prediction.
+
+    One ``ForecastModel`` per stage is fitted (``fit_forecast_model``) on ``previous_trees`` (``root_outcomes``,
+    ``anchor_outcomes``), then ``audit/integrated_mixed_groups = sum_i E[A(x_i, m_i)]`` and
+    ``audit/integrated_flips = sum_a E[V_pref | r_a]`` over this step's root groups and anchors.
+
+    Args:
+        result: the step (its forecasts, ``root_counts`` and anchors, as ``audit_metrics`` reads them).
+        previous_trees: the earlier steps' trees (the predictor's window), never this step's.
+
+    Returns:
+        The two forecasts (NaN, like ``audit_metrics``' point forecasts, for arms that read no prediction) and
+        ``forecast/{root,prefix}_{alpha, beta, kappa, items}``. With fewer than ``forecast.MIN_ITEMS``
+        outcomes a stage keeps the point forecast (``items`` 0).
+    """
+    roots = fit_forecast_model(*root_outcomes(previous_trees))
+    prefixes = fit_forecast_model(*anchor_outcomes(previous_trees))
+    p = np.asarray(result.root_pred_success_prob, dtype=np.float64)
+    groups = (float(np.sum(roots.mixed_group_prob(p, result.root_counts))) if p.size and not np.isnan(p).any()
+              else (0.0 if not p.size else float("nan")))
+    anchors = result.anchors
+    v = np.array([a.pred_success_prob for a in anchors], dtype=np.float64)
+    flips = 0.0 if not anchors else float("nan") if np.isnan(v).any() else float(np.sum(prefixes.flip_prob(
+        [a.factual_reward for a in anchors], v, [a.num_continuations for a in anchors])))
+    return {"audit/integrated_mixed_groups": groups, "audit/integrated_flips": flips, **roots.metrics("root"),
+            **prefixes.metrics("prefix")}

@@ -29,12 +29,16 @@ METHOD = "trace"  # the arm every other arm is also paired against (vs_trace), w
 CONFIDENCE = 0.95
 # the allocation audit's per-step keys (logged by train runs that audit their forecasts)
 AUDIT_KEYS = ("audit/expected_mixed_groups", "audit/mixed_groups", "audit/expected_flips", "audit/flips",
-              "audit/groups", "audit/anchors")
+              "audit/groups", "audit/anchors", "audit/integrated_mixed_groups", "audit/integrated_flips")
+# the predictor against Monte-Carlo truth (predictor.truth) and what the truth and the oracle arm's estimates cost
+TRUTH_SCORES = ("ece", "brier", "reliability", "resolution", "auc", "forecast_mean", "realised_mean")
+TRUTH_KEYS = tuple(f"truth/{stage}_{name}" for stage in ("root", "prefix") for name in TRUTH_SCORES) + (
+    "truth/rollouts", "oracle/rollouts", "oracle/tokens")
 # per-step metrics of a train run read for the plots
 STEP_KEYS = ("effective_ratio", "effective_token_ratio", "reward/mean", "tokens/generated", EVAL_ACCURACY, EVAL_SAMPLED_ACCURACY,
              "probe/gain",
              "tokens/cumulative", "rollout/cumulative_trajectories", "active_prompt_ratio", "predictor/brier",
-             "mixed_group_ratio", "predictor/root_auc", *AUDIT_KEYS)
+             "mixed_group_ratio", "predictor/root_auc", *AUDIT_KEYS, *TRUTH_KEYS)
 # summary.md columns after the held-out accuracies: the training-summary keys whose run-level metric
 # (``SUMMARY_METRIC_NAMES``) each shows
 TABLE_SUMMARY_KEYS = ("mean/effective_ratio", "mean/effective_token_ratio", "mean/active_prompt_ratio",
@@ -250,7 +254,7 @@ def arm_statistics(results: dict, pass_k: int, confidence: float = CONFIDENCE,
         (the columns the warmup has; bootstrap as above), "crossings" / "crossings_sampled":
         ``TargetCrossings`` of the greedy / avg@k curves (None where the target is refused), "probe_gain": Interval
         over seeds of the last ``probe/gain`` (``train.probe_prompts``) or None, "audit": {key:
-        Interval of per-step means} (only keys some seed logged)}}}``.
+        Interval of per-step means} (``AUDIT_KEYS`` and ``TRUTH_KEYS``, only keys some seed logged)}}}``.
 
     References:
         docs/method.md, "Statistics over seeds".
@@ -286,7 +290,7 @@ def arm_statistics(results: dict, pass_k: int, confidence: float = CONFIDENCE,
         probe = [final_accuracy(res, "probe/gain") for res in results[abl].values()]
         entry["probe_gain"] = mean_interval(probe, confidence) if any(math.isfinite(p) for p in probe) else None
         audit = {}
-        for key in AUDIT_KEYS:
+        for key in AUDIT_KEYS + TRUTH_KEYS:  # the steps that logged the key (the audited ones for truth/*)
             means = [sum(v for _, v in pts) / len(pts) for res in results[abl].values()
                      if (pts := res["history"].get(key))]
             if means:

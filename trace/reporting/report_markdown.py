@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
-from trace.reporting.report import AUDIT_KEYS, BASELINE, CONFIDENCE, PAIRED_COLUMNS, arm_statistics, regime_summary
+from trace.reporting.report import BASELINE, CONFIDENCE, PAIRED_COLUMNS, TRUTH_SCORES, arm_statistics, regime_summary
 from trace.reporting.statistics import BOOTSTRAP, BOOTSTRAP_RESAMPLES, Interval
 from trace.reporting.verdicts import ALPHA, DEFAULT_MARGIN, FAMILIES, POWER, Verdict, judge
 
@@ -334,15 +334,19 @@ def render_markdown(results: dict, warmup: dict, pass_k: int, links: dict[str, s
             lines.append(f"| {abl} | {format_interval(g, 3, True, True)} | {verdict(g)} |")
     audited = [a for a in order if arms[a]["audit"]]
     if audited:
-        keys = AUDIT_KEYS[:4]
+        keys = ("audit/expected_mixed_groups", "audit/integrated_mixed_groups", "audit/mixed_groups",
+                "audit/expected_flips", "audit/integrated_flips", "audit/flips")
         lines += ["", "## Allocation audit", "",
-                  "Forecast against realised, per step (mean over steps, then over seeds).", "",
-                  "| ablation | expected mixed groups | mixed groups | expected flips | flips |",
-                  "|---|---:|---:|---:|---:|"]
+                  "Forecast against realised, per step (mean over steps, then over seeds). *Point*: the allocator's "
+                  "forecast, the prediction plugged into A(p, m) and V_pref; *integrated*: the same over the truth's "
+                  "spread around the prediction, fitted on the previous steps (docs/method.md, \"Allocation audit\").",
+                  "", "| ablation | mixed groups: point | integrated | realised | flips: point | integrated | realised |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
         for abl in audited:
             au = arms[abl]["audit"]
             lines.append(f"| {abl} | " + " | ".join(format_interval(au[k], 2) if k in au else "nan" for k in keys)
                          + " |")
+        lines += predictor_section(arms, audited)
     lines += [""]
     if plots:
         lines += ["Plots: " + ", ".join(f"`{name}`" for name in plots) + ".", ""]
@@ -352,3 +356,35 @@ def render_markdown(results: dict, warmup: dict, pass_k: int, links: dict[str, s
                   "arm with the mean over seeds: `arm/acc`, `arm/eff_ratio`, ...), "
                   f"[compare the arms]({links['compare']}){report}.", ""]
     return "\n".join(lines)
+
+
+def predictor_section(arms: dict, order: Sequence[str]) -> list[str]:
+    """The "Predictor" section: each arm's forecasts against Monte-Carlo truth on the unselected sample
+    (``predictor.truth``), roots and prefixes apart, and what the truth and the oracle's estimates cost; no lines
+    when no arm logged ``truth/*`` or ``oracle/*``."""
+    scored = [a for a in order if any(k.startswith("truth/") and not k.endswith("rollouts") for k in arms[a]["audit"])]
+    oracle = [a for a in order if "oracle/rollouts" in arms[a]["audit"]]
+    if not scored and not oracle:
+        return []
+    lines = ["", "## Predictor", ""]
+    if scored:
+        lines += ["What each arm's allocator reads (its predictor; `trace_oracle`: its Monte-Carlo estimates) against "
+                  "Monte-Carlo truth on an unselected sample of the step's candidate prompts and visited prefixes "
+                  "(`predictor.truth`), scored before the predictor's refit: mean over the audited steps, then over "
+                  "seeds. Brier = reliability - resolution + uncertainty (+ a within-bin residual); a predictor "
+                  "that predicts has resolution well above 0 and AUC above 0.5.", "",
+                  "| ablation | stage | ECE | Brier | reliability | resolution | AUC | forecast mean | realised mean |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for abl in scored:
+            au = arms[abl]["audit"]
+            for stage in ("root", "prefix"):
+                cells = [format_interval(au[k], 3) if (k := f"truth/{stage}_{n}") in au else "nan"
+                         for n in TRUTH_SCORES]
+                lines.append(f"| {abl} | {stage} | " + " | ".join(cells) + " |")
+    costs = [f"`{a}` audit {_num(arms[a]['audit']['truth/rollouts'].mean, 0)}" for a in scored
+             if "truth/rollouts" in arms[a]["audit"]]
+    costs += [f"`{a}` estimates {_num(arms[a]['audit']['oracle/rollouts'].mean, 0)} per step "
+              f"({_num(arms[a]['audit']['oracle/tokens'].mean, 0)} tokens)" for a in oracle]
+    lines += ["", "Rollouts outside the budget, never trained on (mean per step that ran them): " + "; ".join(costs)
+              + "."]
+    return lines

@@ -1,10 +1,11 @@
 """The training loop of one arm: ``Trainer`` runs the TRACE training steps, with checkpoints and resume.
 
 One training step (docs/architecture.md#one-training-step): draw B candidate prompts -> score them with
-the predictor -> stage 1 root allocation -> bare rollouts -> stage 2 prefix expansion (``rounds`` times) -> every
-``predictor.truth.every`` steps, score the predictor against Monte-Carlo truth on an unselected sample (its rollouts
-never train) -> score the predictor on the new trees, then refit it on a sliding window -> advantages -> policy
-update -> metrics.
+the predictor (``trace_oracle``: Monte-Carlo estimates, outside the budget) -> stage 1 root allocation -> bare
+rollouts -> stage 2 prefix expansion (``rounds`` times) -> every ``predictor.truth.every`` steps, score the
+predictor against Monte-Carlo truth on an unselected sample (its rollouts never train) -> score the predictor on
+the new trees, then refit it on a sliding window -> advantages -> the allocation audit (point and integrated
+forecasts against what was realised) -> policy update -> metrics.
 Every arm (``trace.allocation.arms.ARMS``) spends exactly ``allocation.trajectory_budget``
 trajectories per step (DAPO: at most that many, it filters instead of topping up).
 
@@ -32,9 +33,9 @@ from typing import Callable, Sequence
 import numpy as np
 
 from trace.allocation.arms import get_arm, make_allocator_state
-from trace.allocation.samplers import PolicySampler
+from trace.allocation.samplers import MonteCarloScorer, PolicySampler
 from trace.allocation.step import allocate_step
-from trace.reporting.audit import audit_metrics
+from trace.reporting.audit import audit_metrics, integrated_metrics
 from trace.training.checkpoint import CheckpointError, load_checkpoint, state_path, write_checkpoint
 from trace.configuration.config import Config
 from trace.envs.base import Environment, Prompt
@@ -165,13 +166,22 @@ class Trainer:
         return out
 
     # ---- one step ----------------------------------------------------------------------------------------
-    def _sampler(self, step: int) -> PolicySampler:
-        """The step's rollouts and scores: salt ``s`` samples with seed ``step_seed(seed, step, s)``."""
+    def _policy_sampler(self, step: int, oracle_salt: str = "oracle") -> PolicySampler | MonteCarloScorer:
+        """The step's rollouts and scores (salt ``s`` samples with seed ``step_seed(seed, step, s)``): the
+        predictor's, or for an arm with ``scores="monte_carlo"`` (``trace_oracle``) Monte-Carlo estimates on
+        salts stemmed ``oracle_salt``."""
         cfg = self.cfg
         inner = PolicySampler(self.policy, self.env, self.backend, self.predictor,
                               lambda salt: sampling_spec(cfg.rollout, step_seed(cfg.seed, step, salt)),
                               step=step, ablation=self.ablation, max_context_tokens=cfg.policy.max_context_tokens)
-        return DataParallelSampler(inner, self.tokens_per_trajectory, rank=self.rank, world_size=self.world_size)
+        if self.spec.scores != "monte_carlo":
+            return inner
+        return MonteCarloScorer(inner, cfg.allocation.oracle_samples, oracle_salt)
+
+    def _sampler(self, step: int) -> DataParallelSampler:
+        """``_policy_sampler`` split over the data-parallel ranks (each rank scores alike)."""
+        return DataParallelSampler(self._policy_sampler(step), self.tokens_per_trajectory, rank=self.rank,
+                                   world_size=self.world_size)
 
     def _sync_weights(self) -> None:
         """Push new weights to a backend that holds its own copy (vLLM), on every rank at the same point: under
@@ -200,11 +210,9 @@ class Trainer:
         from trace.predictor.ground_truth import audit_forecasts
 
         cfg, truth = self.cfg, self.cfg.predictor.truth
-        sampler = PolicySampler(self.policy, self.env, self.backend, self.predictor,
-                                lambda salt: sampling_spec(cfg.rollout, step_seed(cfg.seed, step, salt)),
-                                step=step, ablation=self.ablation, max_context_tokens=cfg.policy.max_context_tokens)
-        metrics, _ = audit_forecasts(sampler, candidates, trees, num_roots=truth.roots, num_prefixes=truth.prefixes,
-                                     samples=truth.samples, rng=step_rng(cfg.seed, step, "truth"))
+        metrics, _ = audit_forecasts(self._policy_sampler(step, "truth_oracle"), candidates, trees, num_roots=truth.roots,
+                                     num_prefixes=truth.prefixes, samples=truth.samples,
+                                     rng=step_rng(cfg.seed, step, "truth"))
         return metrics
 
     def step(self, step: int) -> dict[str, float]:
@@ -224,6 +232,8 @@ class Trainer:
                                state=self.allocator_state)
         trees, all_for_metrics = result.trees, result.sampled_trees
         metrics: dict[str, float] = dict(result.metrics)
+        if isinstance(sampler.inner, MonteCarloScorer):  # the estimates' rollouts, outside the budget
+            metrics.update(sampler.inner.metrics())
         timings: dict[str, float] = dict(result.timings)
         truth = cfg.predictor.truth
         if truth.every and (step + 1) % truth.every == 0:  # every rank alike: the predictor's forward may be collective
@@ -234,7 +244,8 @@ class Trainer:
         t0 = time.perf_counter()
         if all_for_metrics:
             metrics.update(self.predictor.evaluate(all_for_metrics))
-        window = self.window_trees(step - 1) + all_for_metrics
+        previous = self.window_trees(step - 1)  # the predictor's window before this step
+        window = previous + all_for_metrics
         if window:
             metrics.update({k: v for k, v in self.predictor.fit(window).items() if isinstance(v, (int, float))})
         if self.world_size > 1:
@@ -252,6 +263,7 @@ class Trainer:
                               baseline=adv.baseline, scale=adv.scale, negative_weight=adv.negative_weight)
         metrics.update(rollout_metrics(all_for_metrics, num_candidates=len(candidates)))
         metrics.update(audit_metrics(result))
+        metrics.update(integrated_metrics(result, previous))  # the same forecasts over the truth's spread
         if result.is_filtered:
             # only kept groups carry gradient signal
             metrics.update({k: v for k, v in rollout_metrics(trees, len(candidates)).items()
