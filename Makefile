@@ -6,6 +6,8 @@
 #   make run-paper the accuracy run: the default arms and seeds for PAPER_STEPS RL steps, evaluated on the
 #                  whole held-out set (greedy and avg@PAPER_EVAL_SAMPLES) every PAPER_EVAL_EVERY steps, as one DVC
 #                  experiment (docs/results.md)
+#   make run-tokens the paper's question at equal sampling cost: the default arms and seeds, each stopped when it
+#                  has generated TOKEN_BUDGET tokens (grpo's over 160 steps), evaluated at the same token marks
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
@@ -16,13 +18,18 @@ PAPER_EVAL_EVERY ?= 40
 PAPER_EVAL_SAMPLES ?= 8
 PAPER_EVAL_PROMPTS ?= 200
 PAPER_PROBE_PROMPTS ?= 256
+# grpo's generated tokens over the 160 steps of make run-paper: 348,558 / 348,969 / 348,730 at seeds 0-2 (the
+# bf16 runs of reports/runs/precision-study-8f9027e, Intel Xeon with AMX), rounded up
+TOKEN_BUDGET ?= 350000
+TOKENS_EVAL_EVERY ?= 87500
+TOKENS_MAX_STEPS ?= 400
 # The process environment (threads, DeepSpeed, Prefect, offline Hugging Face) is trace/configuration/process_env.py's table,
 # read with $(PYTHON) (standard library only, so before .venv exists); variables already set are kept.
 $(foreach assignment,$(shell $(PYTHON) -m trace.configuration.process_env --make),$(eval export $(assignment)))
 export PYTHONDONTWRITEBYTECODE :=
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: venv run run-grid run-paper test ui serve
+.PHONY: venv run run-grid run-paper run-tokens test ui serve
 
 venv: $(STAMP)
 
@@ -75,6 +82,16 @@ run-paper: venv
 	  -S train.checkpoint_every=$(PAPER_EVAL_EVERY) -S train.eval_prompts=$(PAPER_EVAL_PROMPTS) \
 	  -S train.eval_samples=$(PAPER_EVAL_SAMPLES) \
 	  -S train.probe_prompts=$(PAPER_PROBE_PROMPTS) && $(dvc_experiment)
+
+# The accuracy run at equal tokens instead of equal steps: every arm of train.ablations x train.seeds stops after the
+# step at which it has generated TOKEN_BUDGET tokens (train.token_budget; at most TOKENS_MAX_STEPS steps), evaluated
+# like run-paper but at every TOKENS_EVAL_EVERY generated tokens (train.eval_every_tokens), the same marks for every
+# arm; checkpoints every PAPER_EVAL_EVERY steps. The arms that spend fewer tokens a step take more steps. Its report
+# states the accounting (docs/results.md, "make run-tokens").
+run-tokens: venv
+	@set -- -S train.num_steps=$(TOKENS_MAX_STEPS) -S train.token_budget=$(TOKEN_BUDGET) \
+	  -S train.eval_every_tokens=$(TOKENS_EVAL_EVERY) -S train.checkpoint_every=$(PAPER_EVAL_EVERY) \
+	  -S train.eval_prompts=$(PAPER_EVAL_PROMPTS) -S train.eval_samples=$(PAPER_EVAL_SAMPLES) && $(dvc_experiment)
 
 # --durations: the slowest tests, printed at the end (where the suite's time goes). TEST_WORKERS pytest-xdist
 # processes (one torch thread each on 2 cores), a whole file to one worker (module fixtures and ordered tests

@@ -181,7 +181,7 @@ def train_flow(params: str, ablation: str, seed: int | None = None) -> dict:
                 log_checkpointed_steps(run, trainer.history, start, logged)
                 shown_seconds += log_rollouts(run, trainer, ablation, trainer.history, start, shown)
             step = start
-            while step < cfg.train.num_steps:
+            while step < cfg.train.num_steps and not trainer.budget_spent:  # train.token_budget may stop it first
                 step = steps_task(trainer, min(step + cfg.train.steps_per_task, cfg.train.num_steps))
                 if run:
                     log_checkpointed_steps(run, trainer.history, trainer.checkpoint_step, logged)

@@ -323,3 +323,38 @@ def test_the_accuracy_plot_draws_one_marker_per_evaluation_and_no_interpolated_p
     plot_band(THREE_SEEDS, "accuracy/eval", "held-out greedy accuracy", tmp_path / "a.png", x_key="tokens/cumulative")
     # three evaluations per seed: three points per arm, each with a marker, none between them
     assert drawn == {arm: ([100.0, 200.0, 300.0], "o") for arm in THREE_SEEDS}
+
+
+def _token_run(seed_steps: list[int], mark_every: int, per_step: list[float]) -> dict:
+    """An arm stopped by a token budget: per seed its steps and tokens a step, marks every ``mark_every`` tokens
+    (the step that crosses a mark logs it and an evaluation)."""
+    out = {}
+    for seed, (steps, per_step) in enumerate(zip(seed_steps, per_step)):
+        cumulative = [(s, per_step * (s + 1)) for s in range(steps)]
+        marks = [(s, float(mark_every * (int(t // mark_every)))) for s, t in cumulative
+                 if int(t // mark_every) > int((t - per_step) // mark_every)]
+        out[seed] = {"run_id": f"r{seed}", "experiment_id": "7",
+                     "history": {"tokens/cumulative": cumulative, "eval/token_mark": marks,
+                                 "accuracy/eval": [(s, 0.5 + 0.01 * seed) for s, _ in marks],
+                                 "tokens/prompt": [(s, 10.0) for s in range(steps)],
+                                 "tokens/observation": [(s, 4.0) for s in range(steps)]},
+                     "summary": {}, "eval": {"accuracy/greedy": 0.5}}
+    return out
+
+
+def test_an_equal_tokens_run_says_so_and_plots_its_evaluations_at_the_same_marks(tmp_path):
+    # grpo spends 100 tokens a step, trace 80 at seed 0 and 100 at seed 1: all stop at the 400-token budget,
+    # trace's seed 0 after more steps
+    results = {"grpo": _token_run([4, 4], 200, [100.0, 100.0]), "trace": _token_run([5, 4], 200, [80.0, 100.0])}
+    text = render_markdown(results, {}, 2)
+    assert "Accounting: **equal tokens**" in text and "`train.token_budget` = 400" in text
+    assert "Steps taken (mean over seeds): grpo 4.0, trace 4.5." in text
+    assert "grpo 40 prompt, 16 observation, trace 45 prompt, 18 observation" in text
+    # the seeds of trace reach the marks at other steps than grpo's; against the mark both arms have a point at
+    # 200 and 400, each over its 2 seeds
+    for arm in ("grpo", "trace"):
+        points = measured_points(results[arm], "accuracy/eval", "eval/token_mark")
+        assert [(x.mean, x.n, y.n) for _, x, y in points] == [(200.0, 2, 2), (400.0, 2, 2)]
+    names = [p.name for p in write_plots(results, tmp_path, 2)]
+    assert "accuracy_vs_token_marks.png" in names and "avgk_vs_token_marks.png" not in names
+    assert "Accounting" not in render_markdown(THREE_SEEDS, {}, 2)  # equal steps: the table's line says it

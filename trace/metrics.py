@@ -39,8 +39,8 @@ __all__ = [
 
 ROLLOUT_METRIC_KEYS = (
     "effective_ratio", "effective_token_ratio", "active_prompt_ratio", "mixed_group_ratio",
-    "reward/mean", "turns/mean", "tokens/generated", "tools/calls", "rollout/trajectories",
-    "rollout/prompts", "rollout/branches", "allocation/anchor_contrast",
+    "reward/mean", "turns/mean", "tokens/generated", "tokens/prompt", "tokens/observation", "tools/calls",
+    "rollout/trajectories", "rollout/prompts", "rollout/branches", "allocation/anchor_contrast",
 )
 
 
@@ -191,7 +191,9 @@ def rollout_metrics(trees: Sequence[RolloutTree], num_candidates: int | None = N
     Returns:
         ``{"effective_ratio", "effective_token_ratio", "active_prompt_ratio", "mixed_group_ratio",
         "reward/mean" (mean leaf reward), "turns/mean" (mean turns per trajectory), "tokens/generated"
-        (policy tokens decoded, shared prefixes once), "tools/calls", "rollout/trajectories" (leaves),
+        (policy tokens decoded, shared prefixes once; what ``train.token_budget`` counts), "tokens/prompt" (the
+        prompts' tokens, once per tree), "tokens/observation" (tool and environment tokens in the turns, each
+        node once), "tools/calls", "rollout/trajectories" (leaves),
         "rollout/prompts" (distinct prompts), "rollout/branches" (continuations sampled from anchors),
         "allocation/anchor_contrast"}``, all floats.
 
@@ -211,6 +213,9 @@ def rollout_metrics(trees: Sequence[RolloutTree], num_candidates: int | None = N
         "reward/mean": float(batch.leaf_reward.mean()) if num_leaves else 0.0,
         "turns/mean": float(leaf_depth.mean()) if num_leaves else 0.0,
         "tokens/generated": float(tokens.sum()),
+        "tokens/prompt": float(sum(len(tree.nodes[0].token_ids) for tree in trees if tree.nodes)),
+        "tokens/observation": float(sum(len(n.token_ids) - n.num_generated_tokens for tree in trees
+                                        for n in tree.nodes[1:])),
         "tools/calls": float(sum(tree.num_tool_calls() for tree in trees)),
         "rollout/trajectories": float(num_leaves),
         "rollout/prompts": float(batch.num_prompts),

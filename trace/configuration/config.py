@@ -153,7 +153,12 @@ class AdvantageConfig(_Section):
 
 
 class TrainConfig(_Section):
-    num_steps: int = Field(60, ge=0, description="RL steps per ablation")
+    num_steps: int = Field(60, ge=0, description="RL steps per ablation (with token_budget: the most it may take)")
+    token_budget: Optional[int] = Field(None, ge=1, description="stop each arm after the step at which its generated "
+                                        "tokens reach this many (equal tokens, not steps); None = num_steps decides")
+    eval_every_tokens: Optional[int] = Field(None, ge=1, description="with token_budget: evaluate after the step "
+                                             "that crosses each multiple of this many generated tokens (and the "
+                                             "budget), the same marks for every arm, instead of every eval_every steps")
     checkpoint_every: int = Field(10, ge=1, description="save a resumable checkpoint every N steps")
     steps_per_task: int = Field(10, ge=1, description="training steps per Prefect task (orchestration overhead)")
     eval_every: int = Field(20, ge=1, description="greedy accuracy on held-out prompts every N steps (and at the end)")
@@ -177,6 +182,13 @@ class TrainConfig(_Section):
         if v is not None and (not v or any(s < 0 for s in v) or len(set(v)) != len(v)):
             raise ValueError(f"train.seeds must be distinct non-negative integers, got {list(v)}; e.g. [0, 1, 2]")
         return v
+
+    @model_validator(mode="after")
+    def _token_marks(self) -> "TrainConfig":
+        if self.eval_every_tokens is not None and self.token_budget is None:
+            raise ValueError(f"train.eval_every_tokens={self.eval_every_tokens} needs train.token_budget (the "
+                             "marks count up to it); set both, or neither")
+        return self
 
     def run_seeds(self, global_seed: int) -> tuple[int, ...]:
         """The training seeds: ``seeds``, or ``(global_seed,)`` when unset."""
@@ -322,18 +334,20 @@ class Config(_Section):
         return self
 
     def resume_hash(self) -> str:
-        """``params_hash`` without the step count and checkpoint cadence: a checkpoint of the same run made
-        with fewer ``train.num_steps`` is resumed (the remaining steps run), not discarded."""
+        """``params_hash`` without the step count, the token budget and the checkpoint cadence: a checkpoint of the
+        same run made with fewer ``train.num_steps`` (or a smaller ``train.token_budget``) is resumed (the
+        remaining steps run), not discarded."""
         return self.model_copy(update={"train": self.train.model_copy(
-            update={"num_steps": 0, "checkpoint_every": 1})}).params_hash()
+            update={"num_steps": 0, "checkpoint_every": 1, "token_budget": None})}).params_hash()
 
     def params_hash(self) -> str:
         """sha256 (first 12 hex chars) of the canonical JSON of every param that can change a result.
 
         Left out: the list of arms (``train.ablations``: adding an arm must not invalidate the others),
         ``train.steps_per_task`` (orchestration only), ``report`` (how results are judged), ``tracking`` and
-        ``launch``; ``predictor.truth`` while it is off (it never changes what an arm trains), and
-        ``allocation.oracle_samples`` at its default (only ``trace_oracle`` reads it).
+        ``launch``; ``predictor.truth`` while it is off (it never changes what an arm trains),
+        ``allocation.oracle_samples`` at its default (only ``trace_oracle`` reads it), and the token budget's keys
+        while unset.
         """
         data = self.model_dump(mode="json")
         data["train"].pop("ablations", None)
@@ -345,6 +359,9 @@ class Config(_Section):
             data["predictor"].pop("truth")
         if self.allocation.oracle_samples == ORACLE_SAMPLES:  # read by trace_oracle alone; as before it existed
             data["allocation"].pop("oracle_samples")
+        for key in ("token_budget", "eval_every_tokens"):  # unset: the hash of a run from before they existed
+            if data["train"].get(key) is None:
+                data["train"].pop(key, None)
         if self._shared_seed is not None and self._shared_seed != self.seed:
             data["shared_seed"] = self._shared_seed
         blob = json.dumps(data, sort_keys=True).encode()

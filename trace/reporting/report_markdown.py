@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
-from trace.reporting.report import BASELINE, CONFIDENCE, PAIRED_COLUMNS, TRUTH_SCORES, arm_statistics, regime_summary
+from trace.reporting.report import BASELINE, CONFIDENCE, PAIRED_COLUMNS, arm_statistics, regime_summary
+from trace.reporting.report_sections import _num, accounting_lines, format_interval, predictor_section  # noqa: F401
 from trace.reporting.statistics import BOOTSTRAP, BOOTSTRAP_RESAMPLES, Interval
 from trace.reporting.verdicts import ALPHA, DEFAULT_MARGIN, FAMILIES, POWER, Verdict, judge
 
@@ -54,24 +55,8 @@ def _regime_lines(regime: dict) -> list[str]:
     return lines + [""] if lines else []
 
 
-def _num(value: float, digits: int, sign: bool = False) -> str:
-    if not math.isfinite(value):
-        return "nan"
-    text = f"{value:{'+' if sign else ''},.{digits}f}"
-    return text
-
-
 def _digits(column: str) -> int:
     return 0 if column in ("generated tokens", "trajectories/step") else 2 if column == "s/step" else 3
-
-
-def format_interval(iv: Interval, digits: int, sign: bool = False, brackets: bool = False) -> str:
-    """``mean ± half`` (or ``mean [low, high]`` with ``brackets``); the mean alone without an interval."""
-    if not iv.has_interval:
-        return _num(iv.mean, digits, sign)
-    if brackets:
-        return f"{_num(iv.mean, digits, sign)} [{_num(iv.low, digits, sign)}, {_num(iv.high, digits, sign)}]"
-    return f"{_num(iv.mean, digits, sign)} ± {_num(iv.half_width, digits)}"
 
 
 def verdict(iv: Interval) -> str:
@@ -257,7 +242,8 @@ def render_markdown(results: dict, warmup: dict, pass_k: int, links: dict[str, s
              _seeds_line(results, confidence), *[line for line in (_machine_line(results),) if line], "",
              f"Grouped by held-out {'avg@' + str(pass_k) if judged['group_column'] == 'eval mean@k' else 'greedy accuracy'}"
              f" against {BASELINE} after Holm's correction (above, as, below {BASELINE}; no order within a group). "
-             "Training columns are means over steps;", "every arm samples the same number of trajectories per step.", "",
+             "Training columns are means over steps;", "every arm samples the same number of trajectories per step.",
+             *accounting_lines(results), "",
              f"| group | ablation | eval greedy | eval mean@{pass_k} | eval pass@{pass_k} | effective ratio | "
              "effective token ratio | active prompts | train reward | generated tokens | trajectories/step | "
              "s/step |", "|---:|---|" + "---:|" * len(columns or range(10))]
@@ -356,35 +342,3 @@ def render_markdown(results: dict, warmup: dict, pass_k: int, links: dict[str, s
                   "arm with the mean over seeds: `arm/acc`, `arm/eff_ratio`, ...), "
                   f"[compare the arms]({links['compare']}){report}.", ""]
     return "\n".join(lines)
-
-
-def predictor_section(arms: dict, order: Sequence[str]) -> list[str]:
-    """The "Predictor" section: each arm's forecasts against Monte-Carlo truth on the unselected sample
-    (``predictor.truth``), roots and prefixes apart, and what the truth and the oracle's estimates cost; no lines
-    when no arm logged ``truth/*`` or ``oracle/*``."""
-    scored = [a for a in order if any(k.startswith("truth/") and not k.endswith("rollouts") for k in arms[a]["audit"])]
-    oracle = [a for a in order if "oracle/rollouts" in arms[a]["audit"]]
-    if not scored and not oracle:
-        return []
-    lines = ["", "## Predictor", ""]
-    if scored:
-        lines += ["What each arm's allocator reads (its predictor; `trace_oracle`: its Monte-Carlo estimates) against "
-                  "Monte-Carlo truth on an unselected sample of the step's candidate prompts and visited prefixes "
-                  "(`predictor.truth`), scored before the predictor's refit: mean over the audited steps, then over "
-                  "seeds. Brier = reliability - resolution + uncertainty (+ a within-bin residual); a predictor "
-                  "that predicts has resolution well above 0 and AUC above 0.5.", "",
-                  "| ablation | stage | ECE | Brier | reliability | resolution | AUC | forecast mean | realised mean |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-        for abl in scored:
-            au = arms[abl]["audit"]
-            for stage in ("root", "prefix"):
-                cells = [format_interval(au[k], 3) if (k := f"truth/{stage}_{n}") in au else "nan"
-                         for n in TRUTH_SCORES]
-                lines.append(f"| {abl} | {stage} | " + " | ".join(cells) + " |")
-    costs = [f"`{a}` audit {_num(arms[a]['audit']['truth/rollouts'].mean, 0)}" for a in scored
-             if "truth/rollouts" in arms[a]["audit"]]
-    costs += [f"`{a}` estimates {_num(arms[a]['audit']['oracle/rollouts'].mean, 0)} per step "
-              f"({_num(arms[a]['audit']['oracle/tokens'].mean, 0)} tokens)" for a in oracle]
-    lines += ["", "Rollouts outside the budget, never trained on (mean per step that ran them): " + "; ".join(costs)
-              + "."]
-    return lines

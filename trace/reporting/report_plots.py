@@ -34,10 +34,17 @@ SAMPLED_PLOTS: dict[str, tuple[str, str, str | None]] = {
     "avgk_vs_steps.png": (EVAL_SAMPLED_ACCURACY, "held-out avg@k (sampled)", None),
     "avgk_vs_tokens.png": (EVAL_SAMPLED_ACCURACY, "held-out avg@k (sampled)", "tokens/cumulative"),
 }
+# with train.eval_every_tokens: the evaluations at the same generated-token marks for every arm and seed
+TOKEN_MARK = "eval/token_mark"
+MARK_PLOTS: dict[str, tuple[str, str, str | None]] = {
+    "accuracy_vs_token_marks.png": ("accuracy/eval", "held-out greedy accuracy", TOKEN_MARK),
+    "avgk_vs_token_marks.png": (EVAL_SAMPLED_ACCURACY, "held-out avg@k (sampled)", TOKEN_MARK),
+}
 AUDIT_PLOT = "audit.png"
 # with train.probe_prompts: the probe's gain over the starting policy, a curve free of the per-step prompt draw
 PROBE_PLOT = ("probe_gain.png", "probe/gain", "probe success minus the starting policy's")
 X_LABELS = {None: "training step", "tokens/cumulative": "cumulative generated tokens",
+            TOKEN_MARK: "generated tokens (the evaluation's mark, train.eval_every_tokens)",
             "rollout/cumulative_trajectories": "cumulative trajectories"}
 
 
@@ -46,7 +53,8 @@ def measured_points(by_seed: dict, key: str, x_key: str | None,
     """One arm's measured points of ``key``: per logged step, the seeds' x and y as mean and t-interval.
 
     No point is interpolated: a step is a point when at least one seed logged ``key`` there (and ``x_key``,
-    unless the x axis is the step itself), and its mean and interval are over the seeds that did.
+    unless the x axis is the step itself), and its mean and interval are over the seeds that did. Against
+    ``eval/token_mark`` a point is a mark instead of a step (seeds reach a mark at different steps).
 
     Args:
         by_seed: ``{seed: run}`` of one arm (``trace.reporting.report.collect_results``).
@@ -55,8 +63,8 @@ def measured_points(by_seed: dict, key: str, x_key: str | None,
         confidence: the intervals' coverage in (0, 1).
 
     Returns:
-        ``(step, x, y)`` per measured step in step order; ``x`` and ``y`` are ``Interval``s over the seeds
-        (no bounds with one seed; ``x`` of the step axis is the step itself).
+        ``(step, x, y)`` per measured step (mark) in order; ``x`` and ``y`` are ``Interval``s over the seeds
+        (no bounds with one seed; ``x`` of the step axis is the step itself, of the mark axis the mark).
     """
     by_step: dict[int, list[tuple[float, float]]] = {}
     for res in by_seed.values():
@@ -66,7 +74,8 @@ def measured_points(by_seed: dict, key: str, x_key: str | None,
             if xs_by_step is None:
                 by_step.setdefault(int(step), []).append((float(step), float(value)))
             elif step in xs_by_step:
-                by_step.setdefault(int(step), []).append((float(xs_by_step[step]), float(value)))
+                point = int(xs_by_step[step]) if x_key == TOKEN_MARK else int(step)
+                by_step.setdefault(point, []).append((float(xs_by_step[step]), float(value)))
     return [(step, mean_interval([x for x, _ in pts], confidence), mean_interval([y for _, y in pts], confidence))
             for step, pts in sorted(by_step.items())]
 
@@ -158,7 +167,7 @@ def plot_audit(results: dict, path: str | Path, pass_k: int = 1) -> bool:
 
 def write_plots(results: dict, folder: str | Path, pass_k: int = 1) -> list[Path]:
     """Every plot of ``PLOTS`` into ``folder`` (which must exist), in the table's order, then ``SAMPLED_PLOTS``
-    when a run logged ``accuracy/eval_sampled``, ``probe_gain.png`` when a run logged ``probe/gain`` and ``audit.png`` when the audit keys exist (an older file of either is
+    when a run logged ``accuracy/eval_sampled``, ``MARK_PLOTS`` when a run logged ``eval/token_mark``, ``probe_gain.png`` when a run logged ``probe/gain`` and ``audit.png`` when the audit keys exist (an older file of either is
     removed when they do not).
 
     Returns:
@@ -174,6 +183,14 @@ def write_plots(results: dict, folder: str | Path, pass_k: int = 1) -> list[Path
     for name, (key, ylabel, x_key) in SAMPLED_PLOTS.items():
         path = Path(folder) / name
         if has_sampled:
+            plot_band(results, key, ylabel, path, x_key=x_key)
+            paths.append(path)
+        else:
+            path.unlink(missing_ok=True)
+    has_marks = any(res["history"].get(TOKEN_MARK) for by_seed in results.values() for res in by_seed.values())
+    for name, (key, ylabel, x_key) in MARK_PLOTS.items():
+        path = Path(folder) / name
+        if has_marks and (key != EVAL_SAMPLED_ACCURACY or has_sampled):
             plot_band(results, key, ylabel, path, x_key=x_key)
             paths.append(path)
         else:

@@ -44,6 +44,7 @@ from trace.training.parallel import DataParallelSampler, all_gather_objects, bar
 from trace.sampling import make_rollout_backend, sampling_spec
 from trace.policy.lora import apply_lora
 from trace.training.seeding import candidate_indices, step_rng, step_seed
+from trace.training.token_budget import budget_spent, crossed_marks
 from trace.tree import RolloutTree
 from trace.tree_io import read_trees, tree_path, write_trees
 from trace.tracking.names import EVAL_ACCURACY, EVAL_SAMPLED_ACCURACY, sampled_accuracy_name
@@ -292,12 +293,18 @@ class Trainer:
         barrier()  # the next step's window is read back from these files on every rank
         timings["time/write"] = time.perf_counter() - t0
 
+        tokens_before = self.cumulative_tokens
         self.cumulative_tokens += metrics.get("tokens/generated", 0.0)
         self.cumulative_trajectories += metrics.get("rollout/trajectories", 0.0)
         metrics["tokens/cumulative"] = self.cumulative_tokens
         metrics["rollout/cumulative_trajectories"] = self.cumulative_trajectories
         metrics["accuracy/train"] = metrics.get("reward/mean", 0.0)
-        if ((step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.num_steps) and is_main_process():
+        tcfg = cfg.train
+        marks = crossed_marks(tokens_before, self.cumulative_tokens, tcfg.eval_every_tokens, tcfg.token_budget)
+        if marks:
+            metrics["eval/token_mark"] = float(marks[-1])
+        due = bool(marks) if tcfg.eval_every_tokens else (step + 1) % tcfg.eval_every == 0 or self.budget_spent
+        if (due or step + 1 == tcfg.num_steps) and is_main_process():
             t0 = time.perf_counter()
             # the same seed at every evaluation: each curve point samples the same streams (avg@k free of a
             # per-evaluation draw)
@@ -341,24 +348,33 @@ class Trainer:
         return self.probe_initial
 
     def run(self, until_step: int | None = None, on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
-        """Run steps ``next_step .. until_step - 1`` (default ``train.num_steps``), checkpointing every
-        ``train.checkpoint_every`` steps and at the end. Returns each step's metrics."""
+        """Run steps ``next_step .. until_step - 1`` (default ``train.num_steps``), or until ``train.token_budget``
+        is spent, checkpointing every ``train.checkpoint_every`` steps and at the end. Returns each step's
+        metrics."""
         from tqdm import tqdm
 
         end = self.cfg.train.num_steps if until_step is None else min(until_step, self.cfg.train.num_steps)
         out = []
         bar = tqdm(range(self.next_step, end), desc=f"train {self.ablation}", disable=not self.progress, leave=False)
         for step in bar:
+            if self.budget_spent:  # train.token_budget reached (also by a resumed run's checkpoint)
+                break
             metrics = self.step(step)
             out.append(metrics)
             self.history.append({"step": step, **metrics})
             self.next_step = step + 1
             bar.set_postfix(reward=f"{metrics.get('reward/mean', 0):.2f}", eff=f"{metrics.get('effective_ratio', 0):.2f}")
-            if self.next_step % self.cfg.train.checkpoint_every == 0 or self.next_step == self.cfg.train.num_steps:
+            if (self.next_step % self.cfg.train.checkpoint_every == 0 or self.next_step == self.cfg.train.num_steps
+                    or self.budget_spent):
                 self.save_checkpoint(self.next_step)
             if on_step:
                 on_step(step, metrics)
         return out
+
+    @property
+    def budget_spent(self) -> bool:
+        """``train.token_budget`` is set and the arm's generated tokens reached it: no step runs any more."""
+        return budget_spent(self.cumulative_tokens, self.cfg.train.token_budget)
 
     def summary(self) -> dict[str, float]:
         """Means over all steps run so far of the headline metrics, and the last in-training evaluation."""

@@ -1,0 +1,87 @@
+"""Sections of ``reports/summary.md`` beyond the verdicts: how the arms were held equal (trajectories or
+tokens), and the predictor against Monte-Carlo truth with what the truth and the oracle arm cost."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from trace.reporting.report import TRUTH_SCORES
+from trace.reporting.statistics import Interval
+
+__all__ = ["accounting_lines", "format_interval", "predictor_section"]
+
+
+def _num(value: float, digits: int, sign: bool = False) -> str:
+    if not math.isfinite(value):
+        return "nan"
+    return f"{value:{'+' if sign else ''},.{digits}f}"
+
+
+def format_interval(iv: Interval, digits: int, sign: bool = False, brackets: bool = False) -> str:
+    """``mean ± half`` (or ``mean [low, high]`` with ``brackets``); the mean alone without an interval."""
+    if not iv.has_interval:
+        return _num(iv.mean, digits, sign)
+    if brackets:
+        return f"{_num(iv.mean, digits, sign)} [{_num(iv.low, digits, sign)}, {_num(iv.high, digits, sign)}]"
+    return f"{_num(iv.mean, digits, sign)} ± {_num(iv.half_width, digits)}"
+
+
+def predictor_section(arms: dict, order: Sequence[str]) -> list[str]:
+    """The "Predictor" section: each arm's forecasts against Monte-Carlo truth on the unselected sample
+    (``predictor.truth``), roots and prefixes apart, and what the truth and the oracle's estimates cost; no lines
+    when no arm logged ``truth/*`` or ``oracle/*``."""
+    scored = [a for a in order if any(k.startswith("truth/") and not k.endswith("rollouts") for k in arms[a]["audit"])]
+    oracle = [a for a in order if "oracle/rollouts" in arms[a]["audit"]]
+    if not scored and not oracle:
+        return []
+    lines = ["", "## Predictor", ""]
+    if scored:
+        lines += ["What each arm's allocator reads (its predictor; `trace_oracle`: its Monte-Carlo estimates) against "
+                  "Monte-Carlo truth on an unselected sample of the step's candidate prompts and visited prefixes "
+                  "(`predictor.truth`), scored before the predictor's refit: mean over the audited steps, then over "
+                  "seeds. Brier = reliability - resolution + uncertainty (+ a within-bin residual); a predictor "
+                  "that predicts has resolution well above 0 and AUC above 0.5.", "",
+                  "| ablation | stage | ECE | Brier | reliability | resolution | AUC | forecast mean | realised mean |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for abl in scored:
+            au = arms[abl]["audit"]
+            for stage in ("root", "prefix"):
+                cells = [format_interval(au[k], 3) if (k := f"truth/{stage}_{n}") in au else "nan"
+                         for n in TRUTH_SCORES]
+                lines.append(f"| {abl} | {stage} | " + " | ".join(cells) + " |")
+    costs = [f"`{a}` audit {_num(arms[a]['audit']['truth/rollouts'].mean, 0)}" for a in scored
+             if "truth/rollouts" in arms[a]["audit"]]
+    costs += [f"`{a}` estimates {_num(arms[a]['audit']['oracle/rollouts'].mean, 0)} per step "
+              f"({_num(arms[a]['audit']['oracle/tokens'].mean, 0)} tokens)" for a in oracle]
+    lines += ["", "Rollouts outside the budget, never trained on (mean per step that ran them): " + "; ".join(costs)
+              + "."]
+    return lines
+
+
+def accounting_lines(results: dict) -> list[str]:
+    """The lines stating equal tokens (``train.token_budget``: some run logged ``eval/token_mark``), with each
+    arm's steps and its prompt and observation tokens (outside the budget); none for equal steps."""
+    def per_arm(key: str, reduce) -> dict[str, float]:
+        out = {}
+        for abl, by_seed in results.items():
+            values = [reduce([v for _, v in res["history"][key]]) for res in by_seed.values()
+                      if res["history"].get(key)]
+            if values:
+                out[abl] = sum(values) / len(values)
+        return out
+
+    marks = per_arm("eval/token_mark", max)
+    if not marks:  # equal trajectories and steps: the report's line above says so
+        return []
+    steps = per_arm("tokens/cumulative", len)
+    prompt, observation = per_arm("tokens/prompt", sum), per_arm("tokens/observation", sum)
+    lines = [f"Accounting: **equal tokens**, every arm stopped at the first step whose generated tokens reached "
+             f"`train.token_budget` = {_num(max(marks.values()), 0)} and was evaluated at the same token marks; the "
+             "differences below are at equal generated tokens. Steps taken (mean over seeds): "
+             + ", ".join(f"{a} {_num(v, 1)}" for a, v in steps.items()) + "."]
+    if prompt or observation:
+        lines.append("Prompt and observation tokens are outside the budget (their totals, mean over seeds): "
+                     + ", ".join(f"{a} {_num(prompt.get(a, math.nan), 0)} prompt, "
+                                 f"{_num(observation.get(a, math.nan), 0)} observation" for a in results) + ".")
+    return lines
