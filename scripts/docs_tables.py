@@ -39,8 +39,8 @@ from typing import Callable, Sequence
 from scripts.docs_tables_allocators import allocators_table
 from scripts.docs_tables_benchmarks import (allocation_objectives_table, allocation_quality_table,
                                             benchmark_runs_table, benchmarks_table, data_files_table,
-                                            learning_study_table, real_task_step_table, step_dtype_table,
-                                            warmup_sweep_table)
+                                            learning_study_table, precision_study_table, real_task_step_table,
+                                            step_dtype_table, warmup_sweep_table)
 from scripts.docs_tables_common import INDEX, RUNS, Context, DocsTableError, read_index
 from scripts.docs_tables_presets import PRESET_REPORTS, preset_table, presets_table
 from scripts.docs_tables_runs import (ABLATION_REPORTS, LEARNING_BAR, arms_table, audit_table, gain_avgk_table,
@@ -88,6 +88,7 @@ def tables() -> dict[str, Callable[[Context], str]]:
     out["step-dtype"] = step_dtype_table
     out["warmup-sweep"] = warmup_sweep_table
     out["learning-study"] = learning_study_table
+    out["precision-study"] = precision_study_table
     out["data-files"] = data_files_table
     return out
 

@@ -4,6 +4,7 @@ and the real tasks' data files."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from scripts.docs_tables_common import BENCHMARKS, RUNS, Context, _diff, _finite, _num, _table
@@ -139,23 +140,40 @@ def warmup_sweep_table(ctx: Context) -> str:
 
 
 LEARNING_STUDY = RUNS / "learning-study-e794799" / "study.json"  # scripts.learning_study, library code of e794799
+PRECISION_STUDY = RUNS / "precision-study-8f9027e" / "study.json"  # scripts.learning_study: float32 against bf16
+
+
+def _study_table(ctx: Context, path: Path) -> str:
+    """A ``scripts.learning_study`` summary: per candidate setting, the held-out gain over the warmup, its
+    difference from the reference candidate and the probe's gain over the frozen policy."""
+    from scripts.learning_study import markdown
+
+    study = json.loads((ctx.root / path).read_text())
+    reference = study["order"][0]
+    avgk = (f", avg@{study['eval_samples']} {study['warmup_avgk']:.3f}" if study.get("eval_samples") else "")
+    rule = ("the paired bootstrap over questions and seeds and the t-interval over seeds, `*` the one that decides; "
+            "*real* only when both exclude 0; the margin verdict against "
+            f"±{study['margin']} reads both" if "margin" in study else
+            "95 % paired bootstrap over questions and seeds; *real* only when it excludes 0")
+    return (markdown(study["summary"], reference, study["order"]) + "\n\n"
+            f"`{study['arm']}` for {study['rl_steps']} steps at training seeds {', '.join(map(str, study['seeds']))} "
+            f"from one warmup policy (held-out greedy {study['warmup_held_out']:.3f}{avgk} on the same "
+            f"{study['held_out_questions']} questions), {study['params']} with each candidate's overrides. Intervals: "
+            f"{rule}. Probe: mean success of "
+            f"{study['probe_samples']} sampled rollouts on each of the first {study['probe_prompts']} training prompts, "
+            f"after minus before, same seeds. On {study['machine']['cpu']} ({study['machine']['cores']} cores); the "
+            f"summary written at `{study['commit'][:7]}`, the runs' commit and times in the folder's README.md. From "
+            f"[`{path.as_posix()}`]({ctx.link(path)}).")
 
 
 def learning_study_table(ctx: Context) -> str:
-    """``scripts.learning_study``: per candidate setting, the held-out gain over the warmup, its difference from
-    the reference candidate (paired bootstrap over seeds and questions) and the probe's gain over the frozen policy."""
-    from scripts.learning_study import markdown
+    """``scripts.learning_study`` over the candidate settings of ``grpo`` (reports/runs/learning-study-e794799)."""
+    return _study_table(ctx, LEARNING_STUDY)
 
-    study = json.loads((ctx.root / LEARNING_STUDY).read_text())
-    reference = study["order"][0]
-    return (markdown(study["summary"], reference, study["order"]) + "\n\n"
-            f"`{study['arm']}` for {study['rl_steps']} steps at training seeds {', '.join(map(str, study['seeds']))} "
-            f"from one warmup policy (held-out greedy {study['warmup_held_out']:.3f} on the same "
-            f"{study['held_out_questions']} questions), {study['params']} with each candidate's overrides. Intervals: "
-            f"95 % paired bootstrap over questions and seeds; *real* only when it excludes 0. Probe: mean success of "
-            f"{study['probe_samples']} sampled rollouts on each of the first {study['probe_prompts']} training prompts, "
-            f"after minus before, same seeds. On {study['machine']['cpu']} ({study['machine']['cores']} cores); the "
-            f"summary written at `{study['commit'][:7]}`, the runs' commit and times in the folder's README.md. From [`{LEARNING_STUDY.as_posix()}`]({ctx.link(LEARNING_STUDY)}).")
+
+def precision_study_table(ctx: Context) -> str:
+    """``scripts.learning_study`` of ``grpo`` in float32 against bf16 (reports/runs/precision-study-8f9027e)."""
+    return _study_table(ctx, PRECISION_STUDY)
 
 
 def step_dtype_table(ctx: Context) -> str:
