@@ -45,7 +45,7 @@ from scripts.docs_tables_common import INDEX, RUNS, Context, DocsTableError, rea
 from scripts.docs_tables_presets import PRESET_REPORTS, preset_table, presets_table
 from scripts.docs_tables_runs import (ABLATION_REPORTS, LEARNING_BAR, arms_table, audit_table, gain_avgk_table,
                                       gain_table, overview_table, primary_table, regime_table, tokens_to_target_table,
-                                      vs_grpo_table)
+                                      truth_table, vs_grpo_table)
 
 __all__ = ["ABLATION_REPORTS", "LEARNING_BAR", "PRESET_REPORTS", "INDEX", "RUNS", "Context", "DocsTableError",
            "gain_avgk_table", "gain_table", "main", "read_index", "render", "tables", "tokens_to_target_table",
@@ -70,6 +70,7 @@ def tables() -> dict[str, Callable[[Context], str]]:
         out[f"{key}-vs-trace-full"] = lambda ctx, key=key: vs_grpo_table(ctx, key, full=True, ref="trace")
         out[f"{key}-regime"] = lambda ctx, key=key: regime_table(ctx, key)
         out[f"{key}-audit"] = lambda ctx, key=key: audit_table(ctx, key)
+        out[f"{key}-truth"] = lambda ctx, key=key: truth_table(ctx, key)
         out[f"{key}-gain"] = lambda ctx, key=key: gain_table(ctx, key)
         out[f"{key}-tokens-to-target"] = lambda ctx, key=key: tokens_to_target_table(ctx, key)
         out[f"{key}-tokens-to-target-avgk"] = lambda ctx, key=key: tokens_to_target_table(ctx, key, sampled=True)

@@ -16,7 +16,7 @@ from trace.reporting.statistics import interval_from_dict
 from trace.reporting.verdicts import DEFAULT_MARGIN, judge
 
 __all__ = ["ABLATION_REPORTS", "LEARNING_BAR", "arms_table", "audit_table", "gain_avgk_table", "gain_table",
-           "overview_table", "primary_table", "regime_table", "tokens_to_target_table", "vs_grpo_table"]
+           "overview_table", "primary_table", "regime_table", "tokens_to_target_table", "truth_table", "vs_grpo_table"]
 # The learning bar of the accuracy run: grpo's held-out gain over its warmup (docs/results.md)
 LEARNING_BAR = 0.10
 
@@ -364,7 +364,47 @@ def audit_table(ctx: Context, key: str) -> str:
     abl = metrics["ablations"]
     keys = [("audit/expected_mixed_groups", "expected mixed groups"), ("audit/mixed_groups", "mixed groups"),
             ("audit/expected_flips", "expected flips"), ("audit/flips", "flips")]
+    integrated = any("audit/integrated_flips" in abl[arm].get("audit", {}) for arm in abl)
+    if integrated:  # reports from before the integrated forecasts have none
+        keys[1:1] = [("audit/integrated_mixed_groups", "integrated")]
+        keys[4:4] = [("audit/integrated_flips", "integrated")]
     rows = [[f"`{arm}`"] + [_pm(abl[arm].get("audit", {}).get(k), 2) for k, _ in keys] for arm in _ranked(abl)]
     note = ("Per step, mean over steps then over seeds ± 95 % t half-width; n/a: the arm reads no forecast. "
-            + _source(ctx, folder))
+            + ("*Integrated*: the same forecast over the truth's spread around the prediction, fitted on the "
+               "previous steps (docs/method.md, \"Forecasts integrated over the predictor's spread\"). "
+               if integrated else "") + _source(ctx, folder))
     return _table(["arm"] + [label for _, label in keys], rows) + "\n\n" + note
+
+
+TRUTH_SCORES = ("ece", "brier", "reliability", "resolution", "auc", "forecast_mean", "realised_mean")
+
+
+def truth_table(ctx: Context, key: str) -> str:
+    """Per arm and stage, what the allocator reads against Monte-Carlo truth on the unselected sample
+    (``predictor.truth``): ECE, Brier and its parts, AUC, forecast and realised means; then the audit's and the
+    oracle's rollouts."""
+    folder, metrics = ctx.report(key)
+    if metrics is None:
+        return _missing(ctx, key)
+    abl = metrics["ablations"]
+    rows, costs = [], []
+    for arm in _ranked(abl):
+        audit = abl[arm].get("audit", {})
+        for stage in ("root", "prefix"):
+            if any(f"truth/{stage}_{n}" in audit for n in TRUTH_SCORES):
+                rows.append([f"`{arm}`", stage] + [_pm(audit.get(f"truth/{stage}_{n}"), 3) for n in TRUTH_SCORES])
+        if "oracle/rollouts" in audit:
+            costs.append(f"`{arm}`'s estimates {_num(interval_from_dict(audit['oracle/rollouts']).mean, 0)} rollouts "
+                         "a step")
+    if not rows:
+        return "This report has no ground-truth audit (`predictor.truth.every: 0`). " + _source(ctx, folder)
+    audited = next((interval_from_dict(abl[a]["audit"]["truth/rollouts"]).mean for a in abl
+                    if "truth/rollouts" in abl[a].get("audit", {})), float("nan"))
+    note = ("Each arm's forecasts (`trace_oracle`: its Monte-Carlo estimates) on an unselected sample of the step's "
+            "candidate prompts (root) and visited prefixes (prefix), against the mean reward of fresh continuations, "
+            "before the predictor's refit; mean over the audited steps, then over seeds ± 95 % t half-width. Brier = "
+            "reliability - resolution + uncertainty (+ a within-bin residual). Rollouts outside the budget, never "
+            f"trained on: the audit {_num(audited, 0)} per audited step"
+            + ("; " + "; ".join(costs) if costs else "") + ". " + _source(ctx, folder))
+    return _table(["arm", "stage", "ECE", "Brier", "reliability", "resolution", "AUC", "forecast mean",
+                   "realised mean"], rows) + "\n\n" + note

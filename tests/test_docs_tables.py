@@ -319,3 +319,31 @@ def test_the_overview_table_gives_each_arm_its_measures_and_its_verdicts_against
     assert ("| `trace` | 0.450 ± 0.010 | -0.024 within noise (t) | 0.660 ± 0.020 | -0.005 within noise (t) | "
             "0.710 ± 0.050 | +0.139 within noise (t) | 32,396 ± 507 | -10,579 real after correction (t) |") in text
     assert "2 arms, grouped against `grpo`" in text and "* marks the interval that decided" in text
+
+
+def test_the_audit_and_truth_tables_show_integrated_forecasts_and_the_unselected_scores(tmp_path):
+    iv = lambda mean, half=0.0: {"mean": mean, "low": mean - half, "high": mean + half, "n": 3}  # noqa: E731
+    audit = {"audit/expected_mixed_groups": iv(7.9), "audit/integrated_mixed_groups": iv(5.1, 0.2),
+             "audit/mixed_groups": iv(5.0, 0.5), "audit/expected_flips": iv(34.0), "audit/integrated_flips": iv(12.0),
+             "audit/flips": iv(11.0, 1.0), "truth/root_ece": iv(0.12, 0.01), "truth/root_auc": iv(0.55),
+             "truth/prefix_resolution": iv(0.002), "truth/rollouts": iv(1536.0)}
+    ablations = {"trace": {"mean": {}, "audit": audit},
+                 "trace_oracle": {"mean": {}, "audit": {**audit, "oracle/rollouts": iv(2700.0)}},
+                 "grpo": {"mean": {}, "audit": {"audit/mixed_groups": iv(5.5)}}}
+    folder = tmp_path / "reports" / "runs" / "predictor-x"
+    folder.mkdir(parents=True)
+    (folder / "metrics.json").write_text(json.dumps({"ablations": ablations, "warmup": {}}))
+    ctx = docs_tables.Context(root=tmp_path, doc=tmp_path / "README.md", index={"paper": "predictor-x"})
+    text = docs_tables.audit_table(ctx, "paper")
+    assert "| arm | expected mixed groups | integrated | mixed groups | expected flips | integrated | flips |" in text
+    assert "| `trace` | 7.90 ± 0.00 | 5.10 ± 0.20 | 5.00 ± 0.50 | 34.00 ± 0.00 | 12.00 ± 0.00 | 11.00 ± 1.00 |" in text
+    truth = docs_tables.truth_table(ctx, "paper")
+    assert "| `trace` | root | 0.120 ± 0.010 | n/a | n/a | n/a | 0.550 ± 0.000 | n/a | n/a |" in truth
+    assert "| `trace` | prefix | n/a | n/a | n/a | 0.002 ± 0.000 |" in truth
+    assert "`grpo`" not in truth  # no truth logged: no row
+    assert "the audit 1,536 per audited step; `trace_oracle`'s estimates 2,700 rollouts a step" in truth
+    # a report from before the integrated forecasts keeps its four columns
+    for arm in ablations.values():
+        arm["audit"] = {k: v for k, v in arm["audit"].items() if "integrated" not in k}
+    (folder / "metrics.json").write_text(json.dumps({"ablations": ablations, "warmup": {}}))
+    assert "| arm | expected mixed groups | mixed groups | expected flips | flips |" in docs_tables.audit_table(ctx, "paper")
