@@ -19,7 +19,7 @@ PAPER_EVAL_SAMPLES ?= 8
 PAPER_EVAL_PROMPTS ?= 200
 PAPER_PROBE_PROMPTS ?= 256
 # grpo's generated tokens over the 160 steps of make run-paper: 348,558 / 348,969 / 348,730 at seeds 0-2 (the
-# bf16 runs of reports/runs/precision-study-8f9027e, Intel Xeon with AMX), rounded up
+# bf16 runs of reports/runs/precision-study-8f9027e, its README; Intel Xeon with AMX), rounded up
 TOKEN_BUDGET ?= 350000
 TOKENS_EVAL_EVERY ?= 87500
 TOKENS_MAX_STEPS ?= 400
@@ -85,8 +85,9 @@ run-paper: venv
 
 # The accuracy run at equal tokens instead of equal steps: every arm of train.ablations x train.seeds stops after the
 # step at which it has generated TOKEN_BUDGET tokens (train.token_budget; at most TOKENS_MAX_STEPS steps), evaluated
-# like run-paper but at every TOKENS_EVAL_EVERY generated tokens (train.eval_every_tokens), the same marks for every
-# arm; checkpoints every PAPER_EVAL_EVERY steps. The arms that spend fewer tokens a step take more steps. Its report
+# like run-paper (greedy and avg@PAPER_EVAL_SAMPLES on PAPER_EVAL_PROMPTS questions; no probe) but at every
+# TOKENS_EVAL_EVERY generated tokens (train.eval_every_tokens), the same marks for every arm; checkpoints every
+# PAPER_EVAL_EVERY steps. The arms that spend fewer tokens a step take more steps. Its report
 # states the accounting (docs/results.md, "make run-tokens").
 run-tokens: venv
 	@set -- -S train.num_steps=$(TOKENS_MAX_STEPS) -S train.token_budget=$(TOKEN_BUDGET) \

@@ -371,7 +371,7 @@ def audit_table(ctx: Context, key: str) -> str:
     rows = [[f"`{arm}`"] + [_pm(abl[arm].get("audit", {}).get(k), 2) for k, _ in keys] for arm in _ranked(abl)]
     note = ("Per step, mean over steps then over seeds ± 95 % t half-width; n/a: the arm reads no forecast. "
             + ("*Integrated*: the same forecast over the truth's spread around the prediction, fitted on the "
-               "previous steps (docs/method.md, \"Forecasts integrated over the predictor's spread\"). "
+               "previous steps (docs/method.md, \"Forecasts integrated over the truth's spread\"). "
                if integrated else "") + _source(ctx, folder))
     return _table(["arm"] + [label for _, label in keys], rows) + "\n\n" + note
 

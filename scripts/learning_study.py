@@ -249,8 +249,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
         raise ConfigError(f"--only {unknown}: no such candidate; the candidates are {list(candidates)}")
     if args.rl_steps < 1 or args.eval_every < 1 or args.probe_prompts < 1 or args.probe_samples < 1:
         raise ConfigError("--rl-steps, --eval-every, --probe-prompts and --probe-samples must be >= 1")
-    if args.eval_samples < 0 or (args.margin is not None and not args.margin > 0):
-        raise ConfigError(f"--eval-samples {args.eval_samples} must be >= 0 and --margin {args.margin} > 0")
+    if args.eval_samples < 0:
+        raise ConfigError(f"--eval-samples {args.eval_samples} must be >= 0 (0: greedy only)")
+    if args.margin is not None and not args.margin > 0:
+        raise ConfigError(f"--margin {args.margin} must be > 0 (the default is report.margin)")
     cfg = load_config(args.params)
     margin = cfg.report.margin if args.margin is None else args.margin
     for name, overrides in candidates.items():  # every candidate's params are valid before anything runs
@@ -280,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "held_out_questions": len(held_out), "warmup_held_out": float(np.mean(list(warmup_rewards.values()))),
         "eval_samples": args.eval_samples, "margin": margin,
         "warmup_avgk": None if warmup_avgk is None else float(np.mean(list(warmup_avgk.values()))),
-        "precision": _precision(cfg),
+        "machine_precision": _precision(cfg),  # what auto resolves to here; each run's own: runs[].precision
         "machine": {"cpu": _cpu_name(), "cores": _cores()}, "candidates": candidates, "summary": summary,
         "order": list(summary),  # the JSON's keys are sorted: the table's row order, the reference first
         "runs": [{k: v for k, v in r.items() if k not in ("held_out", "held_out_avgk")} for r in rows]})

@@ -73,6 +73,19 @@ def test_too_few_or_uniform_outcomes_keep_the_point_forecast():
         fit_forecast_model([0.5], [3], [2], min_items=1)
     with pytest.raises(ValueError, match="one value per item"):
         fit_forecast_model([0.5, 0.4], [1], [2])
+    with pytest.raises(ValueError, match="must be finite"):
+        fit_forecast_model([0.5] * 9 + [float("nan")], [1] * 10, [2] * 10)
+    with pytest.raises(ValueError, match="integers >= 0"):
+        beta_moment(0.5, 2.0, 2.5)
+
+
+def test_a_fit_on_many_outcomes_per_item_moves_from_its_start():
+    # 10^7 outcomes each, truth spread Beta(0.5 * 2000, 0.5 * 2000): the fit must reach a large kappa, not stop near 10
+    rng = np.random.default_rng(3)
+    p = np.full(50, 0.5)
+    n = np.full(50, 10**7)
+    s = rng.binomial(n, rng.beta(1000.0, 1000.0, size=50)).astype(float)
+    assert fit_forecast_model(p, s, n).kappa == pytest.approx(2000.0, rel=0.5)
 
 
 def _tree(name, root_p, root_rewards, anchor_p=None, continuations=()):
@@ -94,6 +107,28 @@ def _tree(name, root_p, root_rewards, anchor_p=None, continuations=()):
             tree.add_node(anchor.node_id, turn_idx=1, origin=Origin.BRANCH, branch_anchor_id=anchor.node_id,
                           reward=float(reward))
     return tree
+
+
+def test_extra_root_rollouts_are_not_an_anchor_and_later_rounds_keep_their_factual_leaf():
+    # a step whose stage 2 had nowhere to branch: its extra root rollouts hang from the root (anchor id 0)
+    extra = _tree("x", 0.4, [1, 0])
+    for reward in (1, 1):
+        extra.add_node(0, turn_idx=0, origin=Origin.BRANCH, branch_anchor_id=0, reward=float(reward))
+    assert anchor_outcomes([extra])[0].size == 0
+    # round 1 branches A (node 1) with two continuations; round 2 branches A2, the middle node of one of them
+    tree = _tree("r", 0.5, [0], 0.6, [])
+    a = tree.nodes[1]
+    a.pred_success_prob = 0.6
+    mid = tree.add_node(1, turn_idx=1, origin=Origin.BRANCH, branch_anchor_id=1)  # continuation of A: 2 turns
+    tree.add_node(mid.node_id, turn_idx=2, origin=Origin.BRANCH, branch_anchor_id=1, reward=0.0)
+    tree.add_node(1, turn_idx=1, origin=Origin.BRANCH, branch_anchor_id=1, reward=1.0)
+    mid.pred_success_prob = 0.4  # round 2: A2 = mid, its factual leaf (reward 0) is A's continuation
+    for reward in (1, 1):
+        tree.add_node(mid.node_id, turn_idx=2, origin=Origin.BRANCH, branch_anchor_id=mid.node_id, reward=float(reward))
+    p, s, n = anchor_outcomes([tree])
+    # A: the root rollout through it (0) and its continuations (0 below mid, 1); A2: its factual 0 and (1, 1). The
+    # continuations of A2 lie below A but came after A's first continuation: they are not A's factual leaves
+    assert dict(zip(p.tolist(), zip(s.tolist(), n.tolist()))) == {0.6: (1.0, 3), 0.4: (2.0, 3)}
 
 
 def test_outcomes_are_read_from_the_trees_the_allocator_sampled():

@@ -33,9 +33,25 @@ def test_the_scorer_estimates_prompts_and_prefixes_by_fresh_rollouts_on_its_own_
     assert MonteCarloScorer(BernoulliSampler(p), 2, salt="truth_oracle").score_prompts(["a"]).shape == (1,)
 
 
-def test_the_scorer_refuses_fewer_than_one_sample():
+def test_the_scorer_refuses_fewer_than_one_sample_and_node_lists_that_miss_a_tree():
     with pytest.raises(ValueError, match="allocation.oracle_samples=0"):
         MonteCarloScorer(BernoulliSampler({}), 0)
+    with pytest.raises(ValueError, match="2 trees but 1 lists"):
+        MonteCarloScorer(BernoulliSampler({}), 2).score_anchors([_tree("a"), _tree("b")], [[1]])
+
+
+def test_the_oracle_is_a_family_of_its_own_so_the_methods_corrections_do_not_move():
+    from trace.reporting.statistics import Interval
+    from trace.reporting.verdicts import family_verdicts, primary_margins
+
+    iv = lambda mean: Interval(mean, mean - 0.01, mean + 0.01, 3)  # noqa: E731  (p about 0.002)
+    arms = {"trace": {"vs_grpo": {"eval mean@k": iv(0.03)}}, "pcl": {"vs_grpo": {"eval mean@k": iv(0.03)}}}
+    with_oracle = {**arms, "trace_oracle": {"vs_grpo": {"eval mean@k": iv(0.05)}}}
+    before, after = family_verdicts(arms), family_verdicts(with_oracle)
+    key = ("trace", "vs_grpo", "eval mean@k")
+    assert after[key].p_adjusted == before[key].p_adjusted and after[key].family_size == 2
+    assert "diagnostic" in after[("trace_oracle", "vs_grpo", "eval mean@k")].family
+    assert primary_margins(with_oracle, 0.02)["trace"] == primary_margins(arms, 0.02)["trace"]
 
 
 class Question(str):

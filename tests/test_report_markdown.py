@@ -337,6 +337,7 @@ def _token_run(seed_steps: list[int], mark_every: int, per_step: list[float]) ->
                      "history": {"tokens/cumulative": cumulative, "eval/token_mark": marks,
                                  "accuracy/eval": [(s, 0.5 + 0.01 * seed) for s, _ in marks],
                                  "tokens/prompt": [(s, 10.0) for s in range(steps)],
+                                 "tokens/budget": [(s, 400.0) for s in range(steps)],
                                  "tokens/observation": [(s, 4.0) for s in range(steps)]},
                      "summary": {}, "eval": {"accuracy/greedy": 0.5}}
     return out
@@ -358,3 +359,8 @@ def test_an_equal_tokens_run_says_so_and_plots_its_evaluations_at_the_same_marks
     names = [p.name for p in write_plots(results, tmp_path, 2)]
     assert "accuracy_vs_token_marks.png" in names and "avgk_vs_token_marks.png" not in names
     assert "Accounting" not in render_markdown(THREE_SEEDS, {}, 2)  # equal steps: the table's line says it
+    assert "Not at equal tokens" not in text
+    # a seed capped by train.num_steps before the budget is named, and the claim is not made for every arm
+    results["trace"][1] = _token_run([3], 200, [100.0])[0]
+    capped = render_markdown(results, {}, 2)
+    assert "every arm stopped" not in capped and "**Not at equal tokens**" in capped and "trace s1 (300)" in capped

@@ -30,7 +30,11 @@ def test_marks_without_a_budget_are_refused_and_unset_keys_leave_the_hash_alone(
     base = load_config("params.yaml")
     budget = load_config("params.yaml", {"train.token_budget": 5000})
     assert budget.params_hash() != base.params_hash()
-    assert budget.resume_hash() == base.resume_hash()  # a larger budget resumes a checkpoint of a smaller one
+    # a run at equal steps (or at another budget) may have trained past this budget: never resumed as this one
+    assert budget.resume_hash() != base.resume_hash()
+    assert budget.resume_hash() != load_config("params.yaml", {"train.token_budget": 6000}).resume_hash()
+    assert budget.resume_hash() == load_config("params.yaml", {"train.token_budget": 5000,
+                                                               "train.num_steps": 99}).resume_hash()
 
 
 @pytest.mark.slow

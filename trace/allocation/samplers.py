@@ -158,7 +158,13 @@ class MonteCarloScorer:
         return self._estimate(list(prompts), []).roots.estimate.copy()
 
     def score_anchors(self, trees: Sequence[RolloutTree], node_ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
-        """One (K_i,) float64 array per tree: the mean reward of ``samples`` continuations of each node."""
+        """One (K_i,) float64 array per tree: the mean reward of ``samples`` continuations of each node.
+
+        Raises:
+            ValueError: ``node_ids`` does not hold one list per tree.
+        """
+        if len(node_ids) != len(trees):
+            raise ValueError(f"{len(trees)} trees but {len(node_ids)} lists of node ids: pass one list per tree")
         pairs = [(tree, int(n)) for tree, ids in zip(trees, node_ids) for n in ids]
         flat = self._estimate([], pairs).prefixes.estimate if pairs else np.zeros(0)
         bounds = np.cumsum([0] + [len(ids) for ids in node_ids])

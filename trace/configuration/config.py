@@ -334,11 +334,11 @@ class Config(_Section):
         return self
 
     def resume_hash(self) -> str:
-        """``params_hash`` without the step count, the token budget and the checkpoint cadence: a checkpoint of the
-        same run made with fewer ``train.num_steps`` (or a smaller ``train.token_budget``) is resumed (the
-        remaining steps run), not discarded."""
+        """``params_hash`` without the step count and checkpoint cadence: a checkpoint of the same run made with
+        fewer ``train.num_steps`` is resumed (the remaining steps run), not discarded. ``train.token_budget`` stays
+        in: a checkpoint past one budget is never taken for a run of another."""
         return self.model_copy(update={"train": self.train.model_copy(
-            update={"num_steps": 0, "checkpoint_every": 1, "token_budget": None})}).params_hash()
+            update={"num_steps": 0, "checkpoint_every": 1})}).params_hash()
 
     def params_hash(self) -> str:
         """sha256 (first 12 hex chars) of the canonical JSON of every param that can change a result.

@@ -56,7 +56,7 @@ def beta_moment(mean: Any, kappa: float, power: Any) -> np.ndarray:
         float64 array; exactly 1 where ``power == 0``, 0 where ``mean == 0 < power``.
 
     Raises:
-        ValueError: ``kappa <= 0`` or a mean outside [0, 1].
+        ValueError: ``kappa <= 0``, a mean outside [0, 1] or a power that is not an integer >= 0.
     """
     from scipy.special import poch
 
@@ -64,6 +64,8 @@ def beta_moment(mean: Any, kappa: float, power: Any) -> np.ndarray:
     n = np.asarray(power, dtype=np.float64)
     if not kappa > 0:
         raise ValueError(f"kappa={kappa} must be > 0")
+    if np.any(n < 0) or np.any(n != np.round(n)):
+        raise ValueError(f"powers must be integers >= 0, got {np.ravel(n)[:5].tolist()}")
     if np.any((q < 0) | (q > 1)) or not np.all(np.isfinite(q)):
         raise ValueError("means must lie in [0, 1]")
     if math.isinf(kappa):
@@ -131,8 +133,9 @@ def _neg_log_likelihood(params: np.ndarray, logit_p: np.ndarray, successes: np.n
     q = np.clip(1.0 / (1.0 + np.exp(-(alpha + beta * logit_p))), _EPS, 1 - _EPS)
     kappa = math.exp(log_kappa)
     a, b = q * kappa, (1.0 - q) * kappa
-    # the binomial coefficient does not depend on the parameters
-    return -float(np.sum(betaln(a + successes, b + trials - successes) - betaln(a, b)))
+    # the binomial coefficient does not depend on the parameters; the mean per item keeps the optimiser's
+    # relative tolerance meaningful for any number of outcomes
+    return -float(np.mean(betaln(a + successes, b + trials - successes) - betaln(a, b)))
 
 
 def fit_forecast_model(pred: Any, successes: Any, trials: Any, min_items: int = MIN_ITEMS) -> ForecastModel:
@@ -146,11 +149,12 @@ def fit_forecast_model(pred: Any, successes: Any, trials: Any, min_items: int = 
         min_items: fewer items than this (or outcomes all alike): the identity model, unfitted.
 
     Returns:
-        ``ForecastModel`` (``beta`` in [0, 5], ``kappa`` in [0.05, 10^4]; L-BFGS-B from the identity with
-        ``kappa = 10``).
+        ``ForecastModel`` (``alpha`` in [-10, 10], ``beta`` in [0, 5], ``kappa`` in [0.05, 10^4]; L-BFGS-B from
+        the identity with ``kappa = 10`` and with the method-of-moments ``kappa``, the better optimum kept).
 
     Raises:
-        ValueError: lengths differ, a forecast outside [0, 1], ``n_i < 1`` or ``s_i`` outside [0, n_i].
+        ValueError: lengths differ, a value is not finite, a forecast outside [0, 1], ``n_i < 1`` or ``s_i``
+            outside [0, n_i].
     """
     from scipy.optimize import minimize
 
@@ -159,6 +163,8 @@ def fit_forecast_model(pred: Any, successes: Any, trials: Any, min_items: int = 
     n = np.asarray(trials, dtype=np.float64).reshape(-1)
     if not p.shape == s.shape == n.shape:
         raise ValueError(f"pred {p.shape}, successes {s.shape} and trials {n.shape} must hold one value per item")
+    if not (np.all(np.isfinite(p)) and np.all(np.isfinite(s)) and np.all(np.isfinite(n))):
+        raise ValueError("forecasts, successes and trials must be finite (leave items without a forecast out)")
     if np.any((p < 0) | (p > 1)) or np.any(n < 1) or np.any((s < 0) | (s > n)):
         raise ValueError("forecasts must lie in [0, 1], trials be >= 1 and successes in [0, trials]")
     rate = s.sum() / max(n.sum(), 1.0)
@@ -166,7 +172,15 @@ def fit_forecast_model(pred: Any, successes: Any, trials: Any, min_items: int = 
         return ForecastModel()
     pc = np.clip(p, _EPS, 1 - _EPS)
     logit_p = np.log(pc / (1 - pc))
-    result = minimize(_neg_log_likelihood, np.array([0.0, 1.0, math.log(10.0)]), args=(logit_p, s, n),
-                      method="L-BFGS-B", bounds=[(-10.0, 10.0), (0.0, 5.0), (math.log(0.05), math.log(1e4))])
+    # two starts: kappa = 10, and the method of moments (Var x = q (1 - q) / (kappa + 1) beyond the binomial noise),
+    # which a steep likelihood (many outcomes per item) needs; the better optimum is kept
+    r = s / n
+    excess = float(np.var(r - p) - np.mean(r * (1 - r) / n))
+    moments = rate * (1 - rate) / excess - 1.0 if excess > 0 else 1e4
+    bounds = [(-10.0, 10.0), (0.0, 5.0), (math.log(0.05), math.log(1e4))]
+    results = [minimize(_neg_log_likelihood, np.array([0.0, 1.0, math.log(k)]), args=(logit_p, s, n),
+                        method="L-BFGS-B", bounds=bounds, options={"ftol": 1e-12, "gtol": 1e-8})
+               for k in (10.0, float(np.clip(moments, 0.05, 1e4)))]
+    result = min(results, key=lambda res: res.fun)
     alpha, beta, log_kappa = (float(v) for v in result.x)
     return ForecastModel(alpha, beta, math.exp(log_kappa), int(p.size))

@@ -247,19 +247,25 @@ def root_outcomes(trees: Sequence[RolloutTree]) -> tuple[np.ndarray, np.ndarray,
 
 def anchor_outcomes(trees: Sequence[RolloutTree]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(pred, successes, trials)``, (A,) each, of every branched anchor that carries a forecast: the rewards of
-    its own continuations (``continuation_rewards``) and of the root rollouts through it (the factual trajectory
-    the rule chose it by: in the likelihood, that choice is ignorable)."""
+    its own continuations (``continuation_rewards``) and of the leaves below it that existed when it was chosen
+    (created before its first continuation: the factual trajectory the rule chose it by, a root rollout in round 1,
+    a continuation of an earlier round later; in the likelihood, that choice is ignorable). The root is never an
+    anchor: continuations from it are the extra root rollouts of a step whose stage 2 had nowhere to branch."""
     rows = []
     for tree in trees:
-        continuations = continuation_rewards(tree)
+        continuations = {a: r for a, r in continuation_rewards(tree).items() if a != 0}
         if not continuations:
             continue
+        first = {}  # anchor -> the node id of its first continuation node
+        for node in tree.nodes:
+            if node.origin == Origin.BRANCH and node.branch_anchor_id in continuations:
+                first.setdefault(node.branch_anchor_id, node.node_id)
         factual: dict[int, list[float]] = {}
         for leaf in tree.leaves():
             node = leaf
-            while leaf.origin == Origin.ROLLOUT and node.parent_id >= 0:
+            while node.parent_id >= 0:
                 node = tree.nodes[node.parent_id]
-                if node.node_id in continuations:
+                if node.node_id in continuations and leaf.node_id < first[node.node_id]:
                     factual.setdefault(node.node_id, []).append(tree.reward_of(leaf))
         for anchor, rewards in continuations.items():
             p = tree.nodes[anchor].pred_success_prob

@@ -38,7 +38,8 @@ TRUTH_KEYS = tuple(f"truth/{stage}_{name}" for stage in ("root", "prefix") for n
 STEP_KEYS = ("effective_ratio", "effective_token_ratio", "reward/mean", "tokens/generated", EVAL_ACCURACY, EVAL_SAMPLED_ACCURACY,
              "probe/gain",
              "tokens/cumulative", "rollout/cumulative_trajectories", "active_prompt_ratio", "predictor/brier",
-             "mixed_group_ratio", "predictor/root_auc", "eval/token_mark", "tokens/prompt", "tokens/observation",
+             "mixed_group_ratio", "predictor/root_auc", "eval/token_mark", "tokens/budget", "tokens/prompt",
+             "tokens/observation",
              *AUDIT_KEYS, *TRUTH_KEYS)
 # summary.md columns after the held-out accuracies: the training-summary keys whose run-level metric
 # (``SUMMARY_METRIC_NAMES``) each shows

@@ -325,7 +325,7 @@ def render_markdown(results: dict, warmup: dict, pass_k: int, links: dict[str, s
         lines += ["", "## Allocation audit", "",
                   "Forecast against realised, per step (mean over steps, then over seeds). *Point*: the allocator's "
                   "forecast, the prediction plugged into A(p, m) and V_pref; *integrated*: the same over the truth's "
-                  "spread around the prediction, fitted on the previous steps (docs/method.md, \"Allocation audit\").",
+                  "spread around the prediction, fitted on the previous steps (docs/method.md, \"Forecasts integrated over the truth's spread\").",
                   "", "| ablation | mixed groups: point | integrated | realised | flips: point | integrated | realised |",
                   "|---|---:|---:|---:|---:|---:|---:|"]
         for abl in audited:

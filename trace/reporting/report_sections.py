@@ -60,8 +60,9 @@ def predictor_section(arms: dict, order: Sequence[str]) -> list[str]:
 
 
 def accounting_lines(results: dict) -> list[str]:
-    """The lines stating equal tokens (``train.token_budget``: some run logged ``eval/token_mark``), with each
-    arm's steps and its prompt and observation tokens (outside the budget); none for equal steps."""
+    """The lines stating equal tokens (``train.token_budget``: the runs logged ``tokens/budget``), with each arm's
+    steps, the runs that stopped at ``train.num_steps`` short of the budget, and the prompt and observation tokens
+    (outside the budget); none for equal steps."""
     def per_arm(key: str, reduce) -> dict[str, float]:
         out = {}
         for abl, by_seed in results.items():
@@ -71,15 +72,22 @@ def accounting_lines(results: dict) -> list[str]:
                 out[abl] = sum(values) / len(values)
         return out
 
-    marks = per_arm("eval/token_mark", max)
-    if not marks:  # equal trajectories and steps: the report's line above says so
+    budget = max(per_arm("tokens/budget", max).values(), default=None)
+    if budget is None:  # equal trajectories and steps: the report's line above says so
         return []
     steps = per_arm("tokens/cumulative", len)
     prompt, observation = per_arm("tokens/prompt", sum), per_arm("tokens/observation", sum)
-    lines = [f"Accounting: **equal tokens**, every arm stopped at the first step whose generated tokens reached "
-             f"`train.token_budget` = {_num(max(marks.values()), 0)} and was evaluated at the same token marks; the "
-             "differences below are at equal generated tokens. Steps taken (mean over seeds): "
+    short = [f"{a} s{seed} ({_num(res['history']['tokens/cumulative'][-1][1], 0)})"
+             for a, by_seed in results.items() for seed, res in by_seed.items()
+             if res["history"].get("tokens/cumulative") and res["history"]["tokens/cumulative"][-1][1] < budget]
+    reached = ("every arm stopped at the first step whose generated tokens reached" if not short else
+               "the arms stopped at the first step whose generated tokens reached")
+    lines = [f"Accounting: **equal tokens**, {reached} `train.token_budget` = {_num(budget, 0)}, evaluated at the same "
+             "token marks; the differences below are at equal generated tokens. Steps taken (mean over seeds): "
              + ", ".join(f"{a} {_num(v, 1)}" for a, v in steps.items()) + "."]
+    if short:
+        lines.append("**Not at equal tokens**: these runs stopped at `train.num_steps` before the budget (their "
+                     "generated tokens): " + ", ".join(short) + "; raise `train.num_steps` and resume them.")
     if prompt or observation:
         lines.append("Prompt and observation tokens are outside the budget (their totals, mean over seeds): "
                      + ", ".join(f"{a} {_num(prompt.get(a, math.nan), 0)} prompt, "

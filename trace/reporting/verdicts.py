@@ -22,6 +22,8 @@ docs/method.md, "Statistics over seeds", states the rule; in short:
 - Against a margin ``delta`` (``report.margin``), each primary comparison gets one of ``MARGIN_WORDS``
   (``margin_verdict``), read on its deciding interval widened to the family-wise level ``1 - ALPHA / m``
   (Bonferroni over the m primary comparisons; equivalence this way is TOST at ``ALPHA / (2 m)`` per side).
+- A diagnostic arm (``trace.allocation.arms.DIAGNOSTIC_ARMS``: ``trace_oracle``, a bound, not a method) is a family
+  of its own in every family, so adding it changes no method's correction or margin level.
 - Power (``trace.reporting.power.power_of``): the minimum detectable difference at 80 % power, two-sided 5 %, from the seed component
   (the t-interval's standard error, exact with the noncentral t) and the question component (the bootstrap's
   variance beyond the seed interval's), and the seeds and questions each component needs to reach ``delta``.
@@ -33,6 +35,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
+from trace.allocation.arms import DIAGNOSTIC_ARMS
 from trace.reporting.power import ALPHA, MAX_SEEDS, POWER, Power, _quantile, _z, minimum_detectable_difference, \
     power_of, standard_errors
 from trace.reporting.statistics import BOOTSTRAP, Interval
@@ -227,14 +230,19 @@ def family_verdicts(arms: Mapping[str, Mapping[str, Mapping[str, Interval]]],
         ``{(arm, versus, column): Verdict}`` for every difference some family holds.
     """
     out: dict = {}
+    methods = [arm for arm in arms if arm not in DIAGNOSTIC_ARMS]
+    # a diagnostic arm (trace_oracle, a bound) is its own family: adding it changes no method's correction
     for name, versus, columns in families:
-        members = {(arm, versus, c): by_versus[versus][c] for arm, by_versus in arms.items()
-                   for c in columns if c in by_versus.get(versus, {})}
-        raw = {key: deciding_p(iv) for key, iv in members.items()}
-        adjusted = holm({key: p for key, (p, _) in raw.items()})
-        size = sum(not math.isnan(p) for p, _ in raw.values())
-        for key, (p, by) in raw.items():
-            out[key] = Verdict(name, members[key].mean, p, by, adjusted[key], size, bool(p < ALPHA), bool(adjusted[key] < ALPHA))
+        for members_of, label in [(methods, name)] + [([arm], f"{name} ({arm}, diagnostic)") for arm in arms
+                                                       if arm in DIAGNOSTIC_ARMS]:
+            members = {(arm, versus, c): arms[arm][versus][c] for arm in members_of
+                       for c in columns if c in arms[arm].get(versus, {})}
+            raw = {key: deciding_p(iv) for key, iv in members.items()}
+            adjusted = holm({key: p for key, (p, _) in raw.items()})
+            size = sum(not math.isnan(p) for p, _ in raw.values())
+            for key, (p, by) in raw.items():
+                out[key] = Verdict(label, members[key].mean, p, by, adjusted[key], size, bool(p < ALPHA),
+                                   bool(adjusted[key] < ALPHA))
     return out
 
 
@@ -253,12 +261,10 @@ def primary_margins(arms: Mapping[str, Mapping[str, Mapping[str, Interval]]], ma
     _, versus, (column,) = FAMILIES[0]
     members = {arm: by_versus[versus][column] for arm, by_versus in arms.items()
                if column in by_versus.get(versus, {}) and by_versus[versus][column].has_interval}
-    if not members:
-        return {}
-    level = 1.0 - alpha / len(members)
+    m = sum(arm not in DIAGNOSTIC_ARMS for arm in members)  # a diagnostic arm is read at 1 - alpha alone
     out = {}
     for arm, iv in members.items():
-        low, high = deciding_bounds(iv, level)
+        low, high = deciding_bounds(iv, 1.0 - alpha / (1 if arm in DIAGNOSTIC_ARMS else m))
         out[arm] = (margin_verdict(low, high, margin), low, high)
     return out
 

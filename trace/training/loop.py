@@ -177,12 +177,10 @@ class Trainer:
                               step=step, ablation=self.ablation, max_context_tokens=cfg.policy.max_context_tokens)
         if self.spec.scores != "monte_carlo":
             return inner
+        if self.world_size > 1:  # the other ranks' trees arrive without the states their prefixes continue from
+            raise ValueError(f"{self.ablation} runs in one process: its estimates continue every tree's prefixes, "
+                             "and a rank holds only its own trees' states; run it without the launch params")
         return MonteCarloScorer(inner, cfg.allocation.oracle_samples, oracle_salt)
-
-    def _sampler(self, step: int) -> DataParallelSampler:
-        """``_policy_sampler`` split over the data-parallel ranks (each rank scores alike)."""
-        return DataParallelSampler(self._policy_sampler(step), self.tokens_per_trajectory, rank=self.rank,
-                                   world_size=self.world_size)
 
     def _sync_weights(self) -> None:
         """Push new weights to a backend that holds its own copy (vLLM), on every rank at the same point: under
@@ -211,9 +209,12 @@ class Trainer:
         from trace.predictor.ground_truth import audit_forecasts
 
         cfg, truth = self.cfg, self.cfg.predictor.truth
-        metrics, _ = audit_forecasts(self._policy_sampler(step, "truth_oracle"), candidates, trees, num_roots=truth.roots,
-                                     num_prefixes=truth.prefixes, samples=truth.samples,
-                                     rng=step_rng(cfg.seed, step, "truth"))
+        sampler = self._policy_sampler(step, "truth_oracle")  # trace_oracle: its own estimates, scored
+        metrics, _ = audit_forecasts(sampler, candidates, trees, num_roots=truth.roots, num_prefixes=truth.prefixes,
+                                     samples=truth.samples, rng=step_rng(cfg.seed, step, "truth"))
+        if isinstance(sampler, MonteCarloScorer):  # what those estimates cost is the audit's too
+            metrics["truth/rollouts"] += sampler.rollouts
+            metrics["truth/tokens"] += sampler.tokens
         return metrics
 
     def step(self, step: int) -> dict[str, float]:
@@ -228,7 +229,8 @@ class Trainer:
         idx = candidate_indices(len(self.train_prompts), acfg.num_candidates, cfg.seed, step)
         candidates = [self.train_prompts[i] for i in idx]
         self._sync_weights()
-        sampler = self._sampler(step)
+        sampler = DataParallelSampler(self._policy_sampler(step), self.tokens_per_trajectory, rank=self.rank,
+                                      world_size=self.world_size)  # whole trees per rank, each rank scores alike
         result = allocate_step(self.spec, candidates, sampler, acfg, lambda salt: step_rng(cfg.seed, step, salt),
                                state=self.allocator_state)
         trees, all_for_metrics = result.trees, result.sampled_trees
@@ -303,6 +305,8 @@ class Trainer:
         marks = crossed_marks(tokens_before, self.cumulative_tokens, tcfg.eval_every_tokens, tcfg.token_budget)
         if marks:
             metrics["eval/token_mark"] = float(marks[-1])
+        if tcfg.token_budget:  # the report states the budget and which runs reached it
+            metrics["tokens/budget"] = float(tcfg.token_budget)
         due = bool(marks) if tcfg.eval_every_tokens else (step + 1) % tcfg.eval_every == 0 or self.budget_spent
         if (due or step + 1 == tcfg.num_steps) and is_main_process():
             t0 = time.perf_counter()
@@ -385,12 +389,10 @@ class Trainer:
             vals = [h[key] for h in self.history if key in h]
             if vals:
                 out[f"mean/{key}"] = float(np.mean(vals))
-        for key, name in ((EVAL_ACCURACY, "last/accuracy_eval"), (EVAL_SAMPLED_ACCURACY, "last/accuracy_eval_sampled")):
+        for key, name in ((EVAL_ACCURACY, "last/accuracy_eval"), (EVAL_SAMPLED_ACCURACY, "last/accuracy_eval_sampled"),
+                          ("probe/gain", "last/probe_gain")):
             evals = [h[key] for h in self.history if key in h]
             if evals:
                 out[name] = float(evals[-1])
-        gains = [h["probe/gain"] for h in self.history if "probe/gain" in h]
-        if gains:
-            out["last/probe_gain"] = float(gains[-1])
         out["tokens/cumulative"] = self.cumulative_tokens
         return out

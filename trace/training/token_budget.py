@@ -39,5 +39,8 @@ def crossed_marks(before: float, after: float, every: int | None, token_budget: 
         raise ValueError(f"cumulative tokens went down within a step: {before} -> {after}")
     if token_budget is None:
         return []
-    marks = list(range(every, token_budget, every)) if every else []
-    return [m for m in marks + [int(token_budget)] if before < m <= after]
+    marks = []
+    if every:  # the multiples of every in (before, min(after, budget - 1)], counted, not listed from 0
+        first = (int(before) // every + 1) * every
+        marks = list(range(first, min(int(after), int(token_budget) - 1) + 1, every))
+    return marks + ([int(token_budget)] if before < token_budget <= after else [])
