@@ -406,5 +406,10 @@ def truth_table(ctx: Context, key: str) -> str:
             "reliability - resolution + uncertainty (+ a within-bin residual). Rollouts outside the budget, never "
             f"trained on: the audit {_num(audited, 0)} per audited step"
             + ("; " + "; ".join(costs) if costs else "") + ". " + _source(ctx, folder))
+    ratios = [f"`{arm}` {_num(iv.mean, 2)} [{_num(iv.low, 2)}, {_num(iv.high, 2)}]" for arm in _ranked(abl)
+              if (iv := interval_from_dict(abl[arm].get("flips_vs_random"))) is not None]
+    if ratios:
+        note += (" Stage 2's flips per step over `tree_random`'s at the same seed (the same continuations a step), "
+                 "mean over seeds [95 % t-interval]: " + "; ".join(ratios) + ".")
     return _table(["arm", "stage", "ECE", "Brier", "reliability", "resolution", "AUC", "forecast mean",
                    "realised mean"], rows) + "\n\n" + note

@@ -327,7 +327,7 @@ def test_the_audit_and_truth_tables_show_integrated_forecasts_and_the_unselected
              "audit/mixed_groups": iv(5.0, 0.5), "audit/expected_flips": iv(34.0), "audit/integrated_flips": iv(12.0),
              "audit/flips": iv(11.0, 1.0), "truth/root_ece": iv(0.12, 0.01), "truth/root_auc": iv(0.55),
              "truth/prefix_resolution": iv(0.002), "truth/rollouts": iv(1536.0)}
-    ablations = {"trace": {"mean": {}, "audit": audit},
+    ablations = {"trace": {"mean": {}, "audit": audit, "flips_vs_random": iv(1.58, 0.36)},
                  "trace_oracle": {"mean": {}, "audit": {**audit, "oracle/rollouts": iv(2700.0)}},
                  "grpo": {"mean": {}, "audit": {"audit/mixed_groups": iv(5.5)}}}
     folder = tmp_path / "reports" / "runs" / "predictor-x"
@@ -342,6 +342,7 @@ def test_the_audit_and_truth_tables_show_integrated_forecasts_and_the_unselected
     assert "| `trace` | prefix | n/a | n/a | n/a | 0.002 ± 0.000 |" in truth
     assert "`grpo`" not in truth  # no truth logged: no row
     assert "the audit 1,536 per audited step; `trace_oracle`'s estimates 2,700 rollouts a step" in truth
+    assert "mean over seeds [95 % t-interval]: `trace` 1.58 [1.22, 1.94]." in truth
     # a report from before the integrated forecasts keeps its four columns
     for arm in ablations.values():
         arm["audit"] = {k: v for k, v in arm["audit"].items() if "integrated" not in k}

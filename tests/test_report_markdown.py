@@ -364,3 +364,14 @@ def test_an_equal_tokens_run_says_so_and_plots_its_evaluations_at_the_same_marks
     results["trace"][1] = _token_run([3], 200, [100.0])[0]
     capped = render_markdown(results, {}, 2)
     assert "every arm stopped" not in capped and "**Not at equal tokens**" in capped and "trace s1 (300)" in capped
+
+
+def test_stage_two_flips_are_paired_with_random_anchors_seed_by_seed():
+    def arm(flips: list[float]) -> dict:
+        return {seed: {"run_id": f"r{seed}", "experiment_id": "7", "summary": {}, "eval": {"accuracy/greedy": 0.5},
+                       "history": {"audit/flips": [(0, f), (1, f)], "audit/anchors": [(0, 60.0), (1, 60.0)],
+                                   "truth/root_auc": [(1, 0.8)]}} for seed, f in enumerate(flips)}
+    results = {"tree_random": arm([10.0, 8.0, 12.0]), "trace": arm([15.0, 14.0, 18.0])}
+    text = render_markdown(results, {}, 2)
+    # per seed 1.5, 1.75, 1.5: mean 1.583, t(2) half-width 4.303 * 0.1443 / sqrt(3) = 0.358
+    assert "`trace` 1.58 [1.22, 1.94]" in text and "`tree_random` " not in text.split("Stage 2 against")[1][:200]

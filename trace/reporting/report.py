@@ -18,7 +18,7 @@ import math
 from typing import Mapping, Sequence
 
 from trace.reporting.report_questions import bootstrap_against, bootstrap_gain
-from trace.reporting.statistics import crossing_target, mean_interval, paired_difference, target_refusal, \
+from trace.reporting.statistics import Interval, crossing_target, mean_interval, paired_difference, target_refusal, \
     tokens_to_target_censored
 from trace.tracking.names import EVAL_ACCURACY, EVAL_SAMPLED_ACCURACY, GREEDY_ACCURACY, SUMMARY_METRIC_NAMES, \
     TRAIN_ACCURACY_PREFIX, metric_key, pass_at_k_name, sampled_accuracy_name
@@ -28,6 +28,7 @@ BASELINE = "grpo"  # the arm every other arm is paired against
 METHOD = "trace"  # the arm every other arm is also paired against (vs_trace), when it ran
 CONFIDENCE = 0.95
 # the allocation audit's per-step keys (logged by train runs that audit their forecasts)
+RANDOM_ANCHORS = "tree_random"  # the stage-2 baseline: continuations from uniformly drawn anchors
 AUDIT_KEYS = ("audit/expected_mixed_groups", "audit/mixed_groups", "audit/expected_flips", "audit/flips",
               "audit/groups", "audit/anchors", "audit/integrated_mixed_groups", "audit/integrated_flips")
 # the predictor against Monte-Carlo truth (predictor.truth) and what the truth and the oracle arm's estimates cost
@@ -256,7 +257,8 @@ def arm_statistics(results: dict, pass_k: int, confidence: float = CONFIDENCE,
         (the columns the warmup has; bootstrap as above), "crossings" / "crossings_sampled":
         ``TargetCrossings`` of the greedy / avg@k curves (None where the target is refused), "probe_gain": Interval
         over seeds of the last ``probe/gain`` (``train.probe_prompts``) or None, "audit": {key:
-        Interval of per-step means} (``AUDIT_KEYS`` and ``TRUTH_KEYS``, only keys some seed logged)}}}``.
+        Interval of per-step means} (``AUDIT_KEYS`` and ``TRUTH_KEYS``, only keys some seed logged), "audit_seeds":
+        {key: {seed: per-step mean}}, "flips_vs_random": ``flips_ratio`` (None for ``tree_random``)}}}``.
 
     References:
         docs/method.md, "Statistics over seeds".
@@ -291,15 +293,29 @@ def arm_statistics(results: dict, pass_k: int, confidence: float = CONFIDENCE,
             entry["crossings" + suffix] = crossings
         probe = [final_accuracy(res, "probe/gain") for res in results[abl].values()]
         entry["probe_gain"] = mean_interval(probe, confidence) if any(math.isfinite(p) for p in probe) else None
-        audit = {}
+        audit, audit_seeds = {}, {}
         for key in AUDIT_KEYS + TRUTH_KEYS:  # the steps that logged the key (the audited ones for truth/*)
-            means = [sum(v for _, v in pts) / len(pts) for res in results[abl].values()
-                     if (pts := res["history"].get(key))]
-            if means:
-                audit[key] = mean_interval(means, confidence)
-        entry["audit"] = audit
+            by_seed = {seed: sum(v for _, v in pts) / len(pts) for seed, res in results[abl].items()
+                       if (pts := res["history"].get(key))}
+            if by_seed:
+                audit[key], audit_seeds[key] = mean_interval(list(by_seed.values()), confidence), by_seed
+        entry["audit"], entry["audit_seeds"] = audit, audit_seeds
         arms[abl] = entry
+    for abl, entry in arms.items():  # stage 2 against random anchors at the same budget, paired by seed
+        entry["flips_vs_random"] = flips_ratio(entry, arms.get(RANDOM_ANCHORS), confidence) if abl != RANDOM_ANCHORS \
+            else None
     return {"targets": targets, "arms": arms}
+
+
+def flips_ratio(entry: dict, random_anchors: dict | None, confidence: float = CONFIDENCE) -> Interval | None:
+    """An arm's stage-2 flips per step over ``tree_random``'s, per seed (both spend the same continuations a
+    step, ``T - round(T / (1 + N))``, so it is the ratio of flips per continuation), and its t-interval over the
+    seeds both ran; None without stage 2, without ``tree_random`` or without a common seed."""
+    mine = entry["audit_seeds"].get("audit/flips", {})
+    theirs = (random_anchors or {}).get("audit_seeds", {}).get("audit/flips", {})
+    anchors = entry["audit_seeds"].get("audit/anchors", {})
+    seeds = [s for s in mine if s in theirs and theirs[s] > 0 and anchors.get(s, 0) > 0]
+    return mean_interval([mine[s] / theirs[s] for s in sorted(seeds)], confidence) if seeds else None
 
 
 def regime_summary(results: dict, warmup: dict, num_eval: int | None, confidence: float = CONFIDENCE,

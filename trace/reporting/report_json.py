@@ -89,5 +89,8 @@ def metrics_table(results: dict, pass_k: int, confidence: float = CONFIDENCE, wa
             entry["probe_gain"] = _json_interval(st["probe_gain"])
         if st["audit"]:
             entry["audit"] = {k: _json_interval(iv) for k, iv in st["audit"].items()}
+            entry["audit_seeds"] = {k: {f"s{s}": v for s, v in by.items()} for k, by in st["audit_seeds"].items()}
+        if st.get("flips_vs_random") is not None:
+            entry["flips_vs_random"] = _json_interval(st["flips_vs_random"])
         out[abl] = entry
     return out

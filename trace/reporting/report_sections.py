@@ -36,6 +36,11 @@ def predictor_section(arms: dict, order: Sequence[str]) -> list[str]:
     if not scored and not oracle:
         return []
     lines = ["", "## Predictor", ""]
+    ratios = {a: arms[a]["flips_vs_random"] for a in order if arms[a].get("flips_vs_random") is not None}
+    if ratios:
+        lines += ["Stage 2 against random anchors: each arm's flips per step over `tree_random`'s at the same seed "
+                  "(the same continuations a step, so flips per continuation), mean over seeds and 95 % t-interval: "
+                  + "; ".join(f"`{a}` {format_interval(iv, 2, brackets=True)}" for a, iv in ratios.items()) + ".", ""]
     if scored:
         lines += ["What each arm's allocator reads (its predictor; `trace_oracle`: its Monte-Carlo estimates) against "
                   "Monte-Carlo truth on an unselected sample of the step's candidate prompts and visited prefixes "
@@ -54,8 +59,9 @@ def predictor_section(arms: dict, order: Sequence[str]) -> list[str]:
              if "truth/rollouts" in arms[a]["audit"]]
     costs += [f"`{a}` estimates {_num(arms[a]['audit']['oracle/rollouts'].mean, 0)} per step "
               f"({_num(arms[a]['audit']['oracle/tokens'].mean, 0)} tokens)" for a in oracle]
-    lines += ["", "Rollouts outside the budget, never trained on (mean per step that ran them): " + "; ".join(costs)
-              + "."]
+    if costs:
+        lines += ["", "Rollouts outside the budget, never trained on (mean per step that ran them): " + "; ".join(costs)
+                  + "."]
     return lines
 
 
