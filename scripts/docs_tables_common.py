@@ -19,7 +19,7 @@ INDEX = RUNS / "index.yaml"
 # arm; reports/metrics.json of
 # the report stage), and the real-data presets (that format too, or the earlier per-stage one: warmup_stage,
 # <arm>.eval, <arm>.train_summary)
-ABLATION_REPORTS = ("default", "paper", "long", "all-arms")
+ABLATION_REPORTS = ("default", "paper", "long", "all-arms", "predictor")
 PRESET_REPORTS = ("hotpotqa", "gsm8k", "bfcl")
 
 
