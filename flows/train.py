@@ -120,6 +120,27 @@ def log_rollouts(run, trainer, ablation: str, history: list[dict], until_step: i
     return time.perf_counter() - t0
 
 
+def log_reliability(run, history: list[dict], ablation: str) -> bool:
+    """The run's reliability diagrams (``predictor.truth``), pooled over its audited steps, as the MLflow image
+    ``truth/reliability.png`` (``trace.predictor.reliability``). Returns whether the run audited any."""
+    from trace.predictor.reliability import STAGES, draw_reliability, history_diagram, is_diagram_key
+
+    series: dict[str, list[tuple[int, float]]] = {}
+    for entry in history:
+        for key, value in entry.items():
+            if is_diagram_key(key):
+                series.setdefault(key, []).append((int(entry["step"]), float(value)))
+    diagrams = {stage: history_diagram(series, stage) for stage in STAGES}
+    if not any(diagrams.values()):
+        return False
+    import matplotlib.pyplot as plt
+
+    fig = draw_reliability({ablation: diagrams}, title=f"{len({s for pts in series.values() for s, _ in pts})} audits")
+    run.client.log_figure(run.run_id, fig, "truth/reliability.png")
+    plt.close(fig)
+    return True
+
+
 def logged_steps(run) -> set[int]:
     """Steps the MLflow run already holds (by ``STEP_MARKER``)."""
     from trace.tracking import metric_key
@@ -194,6 +215,7 @@ def train_flow(params: str, ablation: str, seed: int | None = None) -> dict:
                 run.log_metrics({k: v for k, v in summary_metrics(summary).items()
                                  if known.get(metric_key(k)) != v}, trainer.next_step)
                 run.log_metrics({ROLLOUT_LOG_SECONDS: shown_seconds}, trainer.next_step)
+                log_reliability(run, trainer.history, ablation)
     if main_rank():
         print({k: round(v, 4) for k, v in summary.items()})
     return summary

@@ -27,6 +27,7 @@ import numpy as np
 
 from trace.predictor.calibration import NUM_ECE_BINS, _check_metric_inputs, brier_score, \
     expected_calibration_error, roc_auc
+from trace.predictor.reliability import diagram_metrics
 from trace.tree import RolloutTree
 
 __all__ = ["MonteCarloTruth", "TruthSample", "brier_decomposition", "reliability_diagram", "monte_carlo_truth",
@@ -298,8 +299,8 @@ def score_forecasts(root_pred: Any, truth: TruthSample, prefix_pred: Any,
     Returns:
         ``(metrics, diagrams)``: ``truth/{root,prefix}_{ece, brier, reliability, resolution, uncertainty, auc,
         forecast_mean, realised_mean}`` (NaN for a stage with nothing to score; AUC also when every outcome
-        agrees), ``truth/num_roots``, ``truth/num_prefixes``, ``truth/rollouts`` and ``truth/tokens`` (the
-        audit's cost); ``diagrams = {"root": rows, "prefix": rows}`` (``reliability_diagram``).
+        agrees), the diagrams' bins (``trace.predictor.reliability.diagram_metrics``), ``truth/num_roots``,
+        ``truth/num_prefixes``, ``truth/rollouts`` and ``truth/tokens`` (the audit's cost); ``diagrams = {"root": rows, "prefix": rows}`` (``reliability_diagram``).
 
     Raises:
         ValueError: a forecast array whose length differs from its truth, or a value outside [0, 1].
@@ -313,6 +314,7 @@ def score_forecasts(root_pred: Any, truth: TruthSample, prefix_pred: Any,
                              "forecast per sampled item")
         stage_metrics, diagrams[stage] = _stage_scores(stage, pred, stage_truth, num_bins)
         metrics.update(stage_metrics)
+        metrics.update(diagram_metrics(stage, diagrams[stage], num_bins))
     metrics.update({"truth/num_roots": float(truth.roots.estimate.size),
                     "truth/num_prefixes": float(truth.prefixes.estimate.size),
                     "truth/rollouts": float(truth.num_rollouts), "truth/tokens": float(truth.num_tokens)})

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
+from trace.predictor.reliability import STAGES, history_diagram, is_diagram_key, pool_diagrams
 from trace.reporting.report_questions import bootstrap_against, bootstrap_gain
 from trace.reporting.statistics import Interval, crossing_target, mean_interval, paired_difference, target_refusal, \
     tokens_to_target_censored
@@ -88,7 +89,8 @@ def collect_results(tracking_uri: str | None, experiment_name: str, ablations: S
         abl, seed = run.data.tags.get("trace.ablation"), train_seed.get(run.data.tags.get("trace.params_hash"))
         if abl not in ablations or seed is None:
             continue
-        hist = {k: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, k)) for k in STEP_KEYS}
+        keys = STEP_KEYS + tuple(k for k in run.data.metrics if is_diagram_key(k))  # the audits' diagrams
+        hist = {k: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, k)) for k in keys}
         found.setdefault(abl, {})[seed] = {
             "run_id": run.info.run_id, "experiment_id": run.info.experiment_id, "history": hist,
             "summary": {k: v for k, v in run.data.metrics.items() if k.startswith("arm/")},
@@ -258,7 +260,9 @@ def arm_statistics(results: dict, pass_k: int, confidence: float = CONFIDENCE,
         ``TargetCrossings`` of the greedy / avg@k curves (None where the target is refused), "probe_gain": Interval
         over seeds of the last ``probe/gain`` (``train.probe_prompts``) or None, "audit": {key:
         Interval of per-step means} (``AUDIT_KEYS`` and ``TRUTH_KEYS``, only keys some seed logged), "audit_seeds":
-        {key: {seed: per-step mean}}, "flips_vs_random": ``flips_ratio`` (None for ``tree_random``)}}}``.
+        {key: {seed: per-step mean}}, "flips_vs_random": ``flips_ratio`` (None for ``tree_random``),
+        "reliability": {"root", "prefix": rows} pooled over the audits and seeds
+        (``trace.predictor.reliability``) or None}}}``.
 
     References:
         docs/method.md, "Statistics over seeds".
@@ -300,6 +304,9 @@ def arm_statistics(results: dict, pass_k: int, confidence: float = CONFIDENCE,
             if by_seed:
                 audit[key], audit_seeds[key] = mean_interval(list(by_seed.values()), confidence), by_seed
         entry["audit"], entry["audit_seeds"] = audit, audit_seeds
+        diagrams = {stage: pool_diagrams(history_diagram(res["history"], stage) for res in results[abl].values())
+                    for stage in STAGES}
+        entry["reliability"] = diagrams if any(diagrams.values()) else None
         arms[abl] = entry
     for abl, entry in arms.items():  # stage 2 against random anchors at the same budget, paired by seed
         entry["flips_vs_random"] = flips_ratio(entry, arms.get(RANDOM_ANCHORS), confidence) if abl != RANDOM_ANCHORS \

@@ -92,5 +92,8 @@ def metrics_table(results: dict, pass_k: int, confidence: float = CONFIDENCE, wa
             entry["audit_seeds"] = {k: {f"s{s}": v for s, v in by.items()} for k, by in st["audit_seeds"].items()}
         if st.get("flips_vs_random") is not None:
             entry["flips_vs_random"] = _json_interval(st["flips_vs_random"])
+        if st.get("reliability"):  # pooled over the audits and seeds
+            entry["reliability"] = {stage: [{k: _clean(v) for k, v in row.items()} for row in rows]
+                                    for stage, rows in st["reliability"].items()}
         out[abl] = entry
     return out

@@ -4,7 +4,8 @@ Per-step metrics are plotted against the training step (a line through every log
 held-out accuracy, measured at the in-training evaluations only, against cumulative generated tokens and
 against cumulative trajectories as one marker per evaluation (the seeds' mean x and y, their t-intervals as
 error bars) joined by straight lines: nothing is interpolated onto steps that were not measured
-(``measured_points``). With one seed a point has no interval. ``audit.png``
+(``measured_points``). With one seed a point has no interval. ``reliability.png`` (the predictor's reliability
+diagrams against Monte-Carlo truth, pooled over audits and seeds) is drawn only when some run audited them. ``audit.png``
 (forecast against realised mixed groups and flips per arm) is drawn only when some train run logged the
 allocation audit's keys, and the avg@k curves (``avgk_vs_steps.png``, ``avgk_vs_tokens.png``) only when some run
 logged ``accuracy/eval_sampled``; each is removed otherwise so that no stale plot is left beside the report.
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from trace.predictor.reliability import STAGES, draw_reliability, history_diagram, pool_diagrams
 from trace.reporting.report import AUDIT_KEYS, CONFIDENCE, arm_statistics
 from trace.reporting.statistics import Interval, mean_interval
 from trace.tracking.names import EVAL_SAMPLED_ACCURACY
@@ -41,6 +43,7 @@ MARK_PLOTS: dict[str, tuple[str, str, str | None]] = {
     "avgk_vs_token_marks.png": (EVAL_SAMPLED_ACCURACY, "held-out avg@k (sampled)", TOKEN_MARK),
 }
 AUDIT_PLOT = "audit.png"
+RELIABILITY_PLOT = "reliability.png"  # predictor.truth: each arm's diagrams pooled over its audits and seeds
 # with train.probe_prompts: the probe's gain over the starting policy, a curve free of the per-step prompt draw
 PROBE_PLOT = ("probe_gain.png", "probe/gain", "probe success minus the starting policy's")
 X_LABELS = {None: "training step", "tokens/cumulative": "cumulative generated tokens",
@@ -168,7 +171,8 @@ def plot_audit(results: dict, path: str | Path, pass_k: int = 1) -> bool:
 def write_plots(results: dict, folder: str | Path, pass_k: int = 1) -> list[Path]:
     """Every plot of ``PLOTS`` into ``folder`` (which must exist), in the table's order, then ``SAMPLED_PLOTS``
     when a run logged ``accuracy/eval_sampled``, ``MARK_PLOTS`` when a run logged ``eval/token_mark``, ``probe_gain.png`` when a run logged ``probe/gain`` and ``audit.png`` when the audit keys exist (an older file of either is
-    removed when they do not).
+    removed when they do not), and ``reliability.png`` when a run logged the truth audit's diagrams
+    (``trace.predictor.reliability``; removed otherwise).
 
     Returns:
         The PNG paths written.
@@ -206,4 +210,13 @@ def write_plots(results: dict, folder: str | Path, pass_k: int = 1) -> list[Path
         paths.append(audit)
     else:
         audit.unlink(missing_ok=True)
+    reliability = Path(folder) / RELIABILITY_PLOT
+    diagrams = {abl: {stage: pool_diagrams(history_diagram(res["history"], stage) for res in by_seed.values())
+                      for stage in STAGES} for abl, by_seed in results.items()}
+    diagrams = {abl: d for abl, d in diagrams.items() if any(d.values())}
+    if diagrams:
+        draw_reliability(diagrams, reliability, title="pooled over audits and seeds")
+        paths.append(reliability)
+    else:
+        reliability.unlink(missing_ok=True)
     return paths

@@ -55,6 +55,7 @@ def predictor_section(arms: dict, order: Sequence[str]) -> list[str]:
                 cells = [format_interval(au[k], 3) if (k := f"truth/{stage}_{n}") in au else "nan"
                          for n in TRUTH_SCORES]
                 lines.append(f"| {abl} | {stage} | " + " | ".join(cells) + " |")
+    lines += _reliability_lines(arms, scored)
     costs = [f"`{a}` audit {_num(arms[a]['audit']['truth/rollouts'].mean, 0)}" for a in scored
              if "truth/rollouts" in arms[a]["audit"]]
     costs += [f"`{a}` estimates {_num(arms[a]['audit']['oracle/rollouts'].mean, 0)} per step "
@@ -62,6 +63,23 @@ def predictor_section(arms: dict, order: Sequence[str]) -> list[str]:
     if costs:
         lines += ["", "Rollouts outside the budget, never trained on (mean per step that ran them): " + "; ".join(costs)
                   + "."]
+    return lines
+
+
+def _reliability_lines(arms: dict, scored: Sequence[str]) -> list[str]:
+    """The reliability diagrams (``reliability.png``) as numbers: per arm and stage, each bin's mean forecast ->
+    realised rate (outcomes), pooled over the audits and seeds."""
+    rows = [(a, stage, diagram) for a in scored if arms[a].get("reliability")
+            for stage, diagram in arms[a]["reliability"].items() if diagram]
+    if not rows:
+        return []
+    lines = ["", "Reliability diagrams (`reliability.png`), pooled over the audited steps and seeds: per forecast bin, "
+             "mean forecast -> realised rate (outcomes). A calibrated predictor has the two equal in every bin.", "",
+             "| ablation | stage | bins |", "|---|---|---|"]
+    for abl, stage, diagram in rows:
+        cells = "; ".join(f"{_num(r['mean_forecast'], 2)} -> {_num(r['realised_rate'], 2)} ({_num(r['count'], 0)})"
+                          for r in diagram)
+        lines.append(f"| {abl} | {stage} | {cells} |")
     return lines
 
 

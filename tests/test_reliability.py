@@ -1,0 +1,145 @@
+"""Reliability diagrams against Monte-Carlo truth: each audit's bins as step metrics, pooled exactly over audits
+and seeds, drawn into the report and the run's MLflow images."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from trace.predictor.ground_truth import reliability_diagram
+from trace.predictor.reliability import diagram_metrics, draw_reliability, history_diagram, is_diagram_key, \
+    pool_diagrams
+
+
+def _audit(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    pred = rng.uniform(0, 1, n)
+    weight = rng.integers(1, 17, n).astype(float)
+    rate = rng.binomial(weight.astype(int), np.clip(pred * 0.7 + 0.1, 0, 1)) / weight
+    return pred, rate, weight
+
+
+def _history(audits: dict[int, tuple], stage: str = "prefix") -> dict[str, list[tuple[int, float]]]:
+    history: dict[str, list[tuple[int, float]]] = {"truth/prefix_ece": [(s, 0.1) for s in audits]}
+    for step, (pred, rate, weight) in audits.items():
+        for key, value in diagram_metrics(stage, reliability_diagram(pred, rate, weight, 10), 10).items():
+            history.setdefault(key, []).append((step, value))
+    return history
+
+
+def _close(rows, expected) -> None:
+    assert [r["lower"] for r in rows] == [r["lower"] for r in expected]
+    for got, want in zip(rows, expected):
+        assert got == pytest.approx(want, rel=1e-12, abs=1e-12)
+
+
+def test_pooling_the_audits_of_a_run_is_the_diagram_of_their_union():
+    rng = np.random.default_rng(3)
+    audits = {10: _audit(rng, 40), 20: _audit(rng, 25), 30: _audit(rng, 60)}
+    union = [np.concatenate([a[i] for a in audits.values()]) for i in range(3)]
+    _close(history_diagram(_history(audits), "prefix"), reliability_diagram(*union, num_bins=10))
+    assert history_diagram(_history(audits), "root") == []  # the other stage: nothing audited
+
+
+def test_pooling_seeds_is_the_diagram_of_every_seed_together():
+    rng = np.random.default_rng(5)
+    seeds = [{10: _audit(rng, 30), 20: _audit(rng, 30)} for _ in range(3)]
+    union = [np.concatenate([a[i] for s in seeds for a in s.values()]) for i in range(3)]
+    pooled = pool_diagrams(history_diagram(_history(s), "prefix") for s in seeds)
+    _close(pooled, reliability_diagram(*union, num_bins=10))
+    assert sum(r["count"] for r in pooled) == union[2].sum()
+
+
+def test_the_bin_metrics_name_the_stage_and_the_bin_and_refuse_an_unknown_stage():
+    rows = reliability_diagram([0.05, 0.95, 0.97], [0.0, 1.0, 0.5], [4, 2, 2], 10)
+    metrics = diagram_metrics("root", rows, 10)
+    assert metrics == {"truth/root_bin00_outcomes": 4.0, "truth/root_bin00_forecast": 0.05,
+                       "truth/root_bin00_realised": 0.0, "truth/root_bin09_outcomes": 4.0,
+                       "truth/root_bin09_forecast": pytest.approx(0.96), "truth/root_bin09_realised": 0.75}
+    assert all(is_diagram_key(k) for k in metrics) and not is_diagram_key("truth/root_ece")
+    with pytest.raises(ValueError, match="stage 'leaf'"):
+        diagram_metrics("leaf", rows, 10)
+
+
+def test_the_audit_logs_its_diagrams_as_bin_metrics():
+    from trace.predictor.ground_truth import MonteCarloTruth, TruthSample, score_forecasts
+
+    truth = TruthSample(roots=MonteCarloTruth.from_rewards([np.array([1, 0, 0, 0.0]), np.array([1, 1, 1, 0.0])]),
+                        prefixes=MonteCarloTruth.from_rewards([np.array([1, 1.0])]), num_rollouts=10, num_tokens=30)
+    metrics, diagrams = score_forecasts([0.15, 0.82], truth, [0.5])
+    assert metrics["truth/root_bin01_realised"] == 0.25 and metrics["truth/root_bin08_outcomes"] == 4.0
+    assert metrics["truth/prefix_bin05_forecast"] == 0.5 and metrics["truth/prefix_bin05_realised"] == 1.0
+    assert history_diagram({k: [(0, v)] for k, v in metrics.items()}, "root") == diagrams["root"]
+
+
+def test_draw_reliability_writes_a_png_or_returns_the_figure(tmp_path: Path):
+    rows = reliability_diagram([0.1, 0.5, 0.9], [0.0, 0.5, 1.0], [8, 8, 8], 10)
+    path = tmp_path / "r.png"
+    assert draw_reliability({"trace": {"root": rows, "prefix": []}}, path) is None
+    assert path.read_bytes()[:4] == b"\x89PNG" and path.stat().st_size > 5000
+    fig = draw_reliability({"trace": {"root": rows, "prefix": rows}})
+    assert fig.axes[0].get_title() == "roots" and len(fig.axes) == 2
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+# ---- the report and the train flow -----------------------------------------------------------------------------
+def _with_diagrams(results: dict) -> dict:
+    rng = np.random.default_rng(0)
+    out = copy.deepcopy(results)
+    for res in out["trace"].values():
+        res["history"].update(_history({1: _audit(rng, 20), 2: _audit(rng, 20)}, "root"))
+    return out
+
+
+def test_the_report_pools_each_arms_diagrams_and_draws_them(tmp_path: Path):
+    from tests.test_report_markdown import THREE_SEEDS
+    from trace.reporting.report import arm_statistics
+    from trace.reporting.report_json import metrics_table
+    from trace.reporting.report_markdown import render_markdown
+    from trace.reporting.report_plots import RELIABILITY_PLOT, write_plots
+
+    results = _with_diagrams(THREE_SEEDS)
+    stats = arm_statistics(results, 2)["arms"]
+    assert stats["grpo"]["reliability"] is None
+    expected = pool_diagrams(history_diagram(r["history"], "root") for r in results["trace"].values())
+    assert stats["trace"]["reliability"]["root"] == expected and stats["trace"]["reliability"]["prefix"] == []
+    assert sum(r["count"] for r in expected) > 0
+    text = render_markdown(results, {}, 2)
+    first = expected[0]
+    assert (f"| trace | root | {first['mean_forecast']:.2f} -> {first['realised_rate']:.2f} ({first['count']:,.0f});"
+            in text)
+    assert metrics_table(results, 2)["trace"]["reliability"]["root"][0]["count"] == first["count"]
+    assert RELIABILITY_PLOT in [p.name for p in write_plots(results, tmp_path)]
+    assert RELIABILITY_PLOT not in [p.name for p in write_plots(THREE_SEEDS, tmp_path)]  # stale one removed
+    assert not (tmp_path / RELIABILITY_PLOT).exists()
+
+
+class _Client:
+    def __init__(self):
+        self.figures = []
+
+    def log_figure(self, run_id, figure, artifact_file):
+        self.figures.append((run_id, artifact_file, [ax.get_title() for ax in figure.axes]))
+
+
+class _Run:
+    run_id = "r1"
+
+    def __init__(self):
+        self.client = _Client()
+
+
+def test_the_train_flow_logs_the_runs_pooled_diagram_as_an_mlflow_image():
+    from flows.train import log_reliability
+
+    rng = np.random.default_rng(1)
+    history = [{"step": step, "loss": 0.1, **{k: v for k, pts in _history({step: _audit(rng, 20)}).items()
+                                              for s, v in pts if s == step}} for step in (10, 20)]
+    run = _Run()
+    assert log_reliability(run, history, "trace")
+    assert run.client.figures == [("r1", "truth/reliability.png", ["roots: 2 audits", "prefixes: 2 audits"])]
+    assert not log_reliability(run, [{"step": 0, "loss": 0.1}], "grpo") and len(run.client.figures) == 1

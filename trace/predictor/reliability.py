@@ -1,0 +1,165 @@
+"""Reliability diagrams of the predictor against Monte-Carlo truth: logged per audit, pooled over a run, drawn.
+
+``trace.predictor.ground_truth.reliability_diagram`` bins one audit's forecasts. Each audit's non-empty bins go
+into the step's metrics (``diagram_metrics``: ``truth/<stage>_bin<BB>_{outcomes, forecast, realised}``), so a
+train run's MLflow history holds every diagram it measured. ``history_diagram`` pools a run's audits, and
+``pool_diagrams`` pools runs (seeds): per bin, the outcome counts add and the mean forecast and realised rate are
+outcome-weighted means, so pooling audits is the diagram of their union (exactly, as bins share edges).
+``draw_reliability`` draws pooled diagrams: the train flow logs each run's as an MLflow image
+(``truth/reliability.png``) and the report draws each arm's over seeds (``reliability.png``).
+
+References:
+    Murphy and Winkler (1977), "Reliability of subjective probability forecasts of precipitation and
+    temperature", J. R. Stat. Soc. C 26(1).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+__all__ = ["STAGES", "diagram_metrics", "draw_reliability", "history_diagram", "is_diagram_key", "pool_diagrams"]
+
+STAGES = ("root", "prefix")
+FIELDS = {"outcomes": "count", "forecast": "mean_forecast", "realised": "realised_rate"}
+_KEY = re.compile(r"^truth/(root|prefix)_bin(\d+)_(outcomes|forecast|realised)$")
+
+
+def diagram_metrics(stage: str, rows: Sequence[Mapping[str, float]], num_bins: int) -> dict[str, float]:
+    """One audit's diagram as step metrics.
+
+    Args:
+        stage: ``"root"`` or ``"prefix"``.
+        rows: ``reliability_diagram``'s rows (non-empty bins).
+        num_bins: the bins it used (fixes each row's index from its lower edge).
+
+    Returns:
+        ``{"truth/<stage>_bin<BB>_outcomes": W_b, "..._forecast": pbar_b, "..._realised": obar_b}`` per row,
+        ``BB`` the bin index with two digits.
+
+    Raises:
+        ValueError: an unknown stage.
+    """
+    if stage not in STAGES:
+        raise ValueError(f"stage {stage!r} is not one of {STAGES}")
+    out = {}
+    for row in rows:
+        b = int(round(row["lower"] * num_bins))
+        for name, field in FIELDS.items():
+            out[f"truth/{stage}_bin{b:02d}_{name}"] = float(row[field])
+    return out
+
+
+def is_diagram_key(key: str) -> bool:
+    """Whether ``key`` is one of ``diagram_metrics``' keys."""
+    return _KEY.match(key) is not None
+
+
+def _rows(cells: Mapping[int, list[float]], num_bins: int) -> list[dict[str, float]]:
+    rows = []
+    for b in sorted(cells):
+        count, forecast_sum, success_sum = cells[b]
+        if count <= 0:
+            continue
+        rate = success_sum / count
+        rows.append({"lower": b / num_bins, "upper": (b + 1) / num_bins, "count": count,
+                     "mean_forecast": forecast_sum / count, "realised_rate": rate,
+                     "std_error": math.sqrt(rate * (1.0 - rate) / count)})
+    return rows
+
+
+def history_diagram(history: Mapping[str, Sequence[tuple[int, float]]], stage: str,
+                    num_bins: int = 10) -> list[dict[str, float]]:
+    """A run's diagram of ``stage`` pooled over every audited step of its metric ``history``.
+
+    Args:
+        history: ``{metric key: [(step, value), ...]}`` (a train run's MLflow history); keys other than the
+            stage's ``diagram_metrics`` keys are ignored.
+        stage: ``"root"`` or ``"prefix"``.
+        num_bins: the audits' bins (``trace.predictor.calibration.NUM_ECE_BINS``).
+
+    Returns:
+        ``reliability_diagram``-shaped rows (``lower``, ``upper``, ``count``, ``mean_forecast``,
+        ``realised_rate``, ``std_error``), bins with outcomes only; empty when nothing was audited.
+    """
+    per_step: dict[tuple[int, int], dict[str, float]] = {}
+    for key, points in history.items():
+        match = _KEY.match(key)
+        if match is None or match.group(1) != stage:
+            continue
+        for step, value in points:
+            per_step.setdefault((int(match.group(2)), int(step)), {})[match.group(3)] = float(value)
+    cells: dict[int, list[float]] = {}
+    for (b, _), cell in per_step.items():
+        if len(cell) == len(FIELDS) and cell["outcomes"] > 0:
+            acc = cells.setdefault(b, [0.0, 0.0, 0.0])
+            acc[0] += cell["outcomes"]
+            acc[1] += cell["outcomes"] * cell["forecast"]
+            acc[2] += cell["outcomes"] * cell["realised"]
+    return _rows(cells, num_bins)
+
+
+def pool_diagrams(diagrams: Iterable[Sequence[Mapping[str, float]]], num_bins: int = 10) -> list[dict[str, float]]:
+    """Pool diagrams on the same bins (e.g. one per seed): outcome counts add, means are outcome-weighted.
+
+    Args:
+        diagrams: each a list of rows as ``history_diagram`` returns.
+        num_bins: their bins.
+
+    Returns:
+        The pooled rows, in bin order.
+    """
+    cells: dict[int, list[float]] = {}
+    for rows in diagrams:
+        for row in rows:
+            acc = cells.setdefault(int(round(row["lower"] * num_bins)), [0.0, 0.0, 0.0])
+            acc[0] += row["count"]
+            acc[1] += row["count"] * row["mean_forecast"]
+            acc[2] += row["count"] * row["realised_rate"]
+    return _rows(cells, num_bins)
+
+
+def draw_reliability(diagrams: Mapping[str, Mapping[str, Sequence[Mapping[str, float]]]], path: str | Path | None = None,
+                     title: str = ""):
+    """Reliability diagrams, roots and prefixes side by side: per label (an arm), realised rate against mean
+    forecast per bin with its binomial standard error, and the diagonal of a calibrated predictor.
+
+    Args:
+        diagrams: ``{label: {"root": rows, "prefix": rows}}`` (pooled rows).
+        path: the PNG written; None: the figure is returned open (for ``MlflowClient.log_figure``).
+        title: the figure's title.
+
+    Returns:
+        The matplotlib figure when ``path`` is None, else None.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 4.4))
+    for ax, stage in zip(axes, STAGES):
+        ax.plot([0, 1], [0, 1], color="0.6", lw=1, ls="--", label="calibrated")
+        for label, by_stage in diagrams.items():
+            rows = by_stage.get(stage) or []
+            if not rows:
+                continue
+            total = sum(r["count"] for r in rows)
+            ax.errorbar([r["mean_forecast"] for r in rows], [r["realised_rate"] for r in rows],
+                        yerr=[1.96 * r["std_error"] for r in rows], marker="o", ms=4, capsize=2, lw=1,
+                        label=f"{label} ({total:,.0f} outcomes)")
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1)
+        ax.set_xlabel("mean forecast in the bin")
+        ax.set_ylabel("realised success rate (Monte-Carlo)")
+        ax.set_title(("roots" if stage == "root" else "prefixes") + (f": {title}" if title else ""), fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    if path is None:
+        return fig
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
