@@ -343,20 +343,20 @@ class Config(_Section):
     def params_hash(self) -> str:
         """sha256 (first 12 hex chars) of the canonical JSON of every param that can change a result.
 
-        Left out: the list of arms (``train.ablations``: adding an arm must not invalidate the others),
-        ``train.steps_per_task`` (orchestration only), ``report`` (how results are judged), ``tracking`` and
-        ``launch``; ``predictor.truth`` while it is off (it never changes what an arm trains),
-        ``allocation.oracle_samples`` at its default (only ``trace_oracle`` reads it), and the token budget's keys
-        while unset.
+        Left out: the arms (``train.ablations``: adding one must not invalidate the others), ``train.steps_per_task``
+        (orchestration), ``report`` (how results are judged), ``tracking``, ``launch``; ``predictor.truth`` while
+        off (it never changes what an arm trains), ``predictor.recalibrate`` off, ``allocation.oracle_samples`` at
+        its default (only ``trace_oracle`` reads it), and the token budget's keys while unset.
         """
         data = self.model_dump(mode="json")
         data["train"].pop("ablations", None)
         data["train"].pop("steps_per_task", None)
-        data.pop("report", None)
-        data.pop("tracking", None)
-        data.pop("launch", None)
+        for section in ("report", "tracking", "launch"):
+            data.pop(section, None)
         if not self.predictor.truth.every:  # the audit off: the hash of a run from before the section existed
             data["predictor"].pop("truth")
+        if not self.predictor.recalibrate:  # off: as before it existed
+            data["predictor"].pop("recalibrate")
         if self.allocation.oracle_samples == ORACLE_SAMPLES:  # read by trace_oracle alone; as before it existed
             data["allocation"].pop("oracle_samples")
         for key in ("token_budget", "eval_every_tokens"):  # unset: the hash of a run from before they existed

@@ -62,3 +62,5 @@ class PredictorConfig(Section):
     noise_std: float = Field(0.5, ge=0, description="noisy_oracle: std of logit noise")
     clip: float = Field(0.02, ge=0, lt=0.5, description="predictions clipped to [clip, 1 - clip]")
     truth: TruthConfig = Field(TruthConfig(), description="Monte-Carlo truth audit of the forecasts; every: 0 = off")
+    recalibrate: bool = Field(False, description="the allocator reads the forecasts recalibrated online against the "
+                              "window's outcomes (trace.training.recalibration); false = the predictor's own")

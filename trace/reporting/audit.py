@@ -25,14 +25,14 @@ no random numbers and change nothing.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
 from trace.allocation.prefix import prefix_value
 from trace.allocation.root import activation_prob
 from trace.allocation.step import AnchorChoice, StepResult
-from trace.predictor.forecast import fit_forecast_model
+from trace.predictor.forecast import ForecastModel, fit_forecast_model
 from trace.tree import Origin, RolloutTree
 
 __all__ = [
@@ -275,7 +275,8 @@ def anchor_outcomes(trees: Sequence[RolloutTree]) -> tuple[np.ndarray, np.ndarra
     return _columns(rows)
 
 
-def integrated_metrics(result: StepResult, previous_trees: Sequence[RolloutTree]) -> dict[str, float]:
+def integrated_metrics(result: StepResult, previous_trees: Sequence[RolloutTree],
+                       fitted: Mapping[str, ForecastModel] | None = None) -> dict[str, float]:
     """The step's forecasts integrated over the spread of the truth around the prediction.
 
     One ``ForecastModel`` per stage is fitted (``fit_forecast_model``) on ``previous_trees`` (``root_outcomes``,
@@ -285,20 +286,28 @@ def integrated_metrics(result: StepResult, previous_trees: Sequence[RolloutTree]
     Args:
         result: the step (its forecasts, ``root_counts`` and anchors, as ``audit_metrics`` reads them).
         previous_trees: the earlier steps' trees (the predictor's window), never this step's.
+        fitted: ``{"root", "prefix": ForecastModel}`` already fitted on ``previous_trees`` by
+            ``trace.training.recalibration.step_maps`` (``predictor.recalibrate``): the step's forecasts are then
+            recalibrated already, so only the models' spread is applied (mean map the identity); None: fit here.
 
     Returns:
         The two forecasts (NaN, like ``audit_metrics``' point forecasts, for arms that read no prediction) and
         ``forecast/{root,prefix}_{alpha, beta, kappa, items}``. With fewer than ``forecast.MIN_ITEMS``
         outcomes a stage keeps the point forecast (``items`` 0).
     """
-    roots = fit_forecast_model(*root_outcomes(previous_trees))
-    prefixes = fit_forecast_model(*anchor_outcomes(previous_trees))
+    if fitted is None:
+        roots = fit_forecast_model(*root_outcomes(previous_trees))
+        prefixes = fit_forecast_model(*anchor_outcomes(previous_trees))
+    else:
+        roots, prefixes = fitted["root"], fitted["prefix"]
+    spread = (roots, prefixes) if fitted is None else tuple(ForecastModel(kappa=m.kappa, num_items=m.num_items)
+                                                            for m in (roots, prefixes))
     p = np.asarray(result.root_pred_success_prob, dtype=np.float64)
-    groups = (float(np.sum(roots.mixed_group_prob(p, result.root_counts))) if p.size and not np.isnan(p).any()
+    groups = (float(np.sum(spread[0].mixed_group_prob(p, result.root_counts))) if p.size and not np.isnan(p).any()
               else (0.0 if not p.size else float("nan")))
     anchors = result.anchors
     v = np.array([a.pred_success_prob for a in anchors], dtype=np.float64)
-    flips = 0.0 if not anchors else float("nan") if np.isnan(v).any() else float(np.sum(prefixes.flip_prob(
+    flips = 0.0 if not anchors else float("nan") if np.isnan(v).any() else float(np.sum(spread[1].flip_prob(
         [a.factual_reward for a in anchors], v, [a.num_continuations for a in anchors])))
     return {"audit/integrated_mixed_groups": groups, "audit/integrated_flips": flips, **roots.metrics("root"),
             **prefixes.metrics("prefix")}

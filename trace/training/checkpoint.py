@@ -156,3 +156,25 @@ def _read_state(run_dir: str | Path, path: Path) -> dict:
     if not isinstance(state, dict) or "tag" not in state:
         raise _unreadable(Path(run_dir), path, ValueError("not a train state (no 'tag')"))
     return state
+
+
+def load_allocator_state(allocator_state: Any, state: dict, run_dir: str | Path, ablation: str) -> None:
+    """Restore an arm's allocator state (greso, mopps, vip) from a loaded checkpoint ``state``.
+
+    Raises:
+        CheckpointError: the checkpoint holds no allocator state, or one that lacks a key the allocator reads or
+            does not hold its fields; names the state file, the key and the folder to delete.
+    """
+    run_dir = Path(run_dir)
+    if state.get("allocator_state") is None:
+        raise CheckpointError(f"the checkpoint of {run_dir} holds no allocator state for the arm {ablation!r}, whose "
+                              f"root rule keeps one; delete its folder to train from step 0: rm -r "
+                              f"{run_dir / 'checkpoint'}")
+    try:
+        allocator_state.load_state_dict(state["allocator_state"])
+    except (KeyError, ValueError, TypeError, AttributeError) as err:
+        what = f"lacks the key {err.args[0]!r}" if isinstance(err, KeyError) and err.args else \
+            f"does not hold the arm's fields ({type(err).__name__}: {err})"
+        raise CheckpointError(f"the allocator state in {state_path(run_dir)} (arm {ablation!r}) {what}; the "
+                              "checkpoint is damaged or was written by other code. Delete its folder to train "
+                              f"from step 0: rm -r {run_dir / 'checkpoint'}") from err

@@ -5,7 +5,8 @@ the predictor (``trace_oracle``: Monte-Carlo estimates, outside the budget) -> s
 rollouts -> stage 2 prefix expansion (``rounds`` times) -> every ``predictor.truth.every`` steps, score the
 predictor against Monte-Carlo truth on an unselected sample (its rollouts never train) -> score the predictor on
 the new trees, then refit it on a sliding window -> advantages -> the allocation audit (point and integrated
-forecasts against what was realised) -> policy update -> metrics.
+forecasts against what was realised) -> policy update -> metrics. With ``predictor.recalibrate`` both stages read the
+forecasts recalibrated against the window's outcomes (``trace.training.recalibration``).
 Every arm (``trace.allocation.arms.ARMS``) spends exactly ``allocation.trajectory_budget``
 trajectories per step (DAPO: at most that many, it filters instead of topping up).
 
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -36,7 +37,7 @@ from trace.allocation.arms import get_arm, make_allocator_state
 from trace.allocation.samplers import MonteCarloScorer, PolicySampler
 from trace.allocation.step import allocate_step
 from trace.reporting.audit import audit_metrics, integrated_metrics
-from trace.training.checkpoint import CheckpointError, load_checkpoint, state_path, write_checkpoint
+from trace.training.checkpoint import load_allocator_state, load_checkpoint, write_checkpoint
 from trace.configuration.config import Config
 from trace.envs.base import Environment, Prompt
 from trace.training.evaluation import MetricsFn, evaluate_policy, success_rates
@@ -44,6 +45,7 @@ from trace.training.parallel import DataParallelSampler, all_gather_objects, bar
 from trace.sampling import make_rollout_backend, sampling_spec
 from trace.policy.lora import apply_lora
 from trace.training.seeding import candidate_indices, step_rng, step_seed
+from trace.training.recalibration import RecalibratedSampler, map_metrics, step_maps
 from trace.training.token_budget import budget_spent, crossed_marks
 from trace.tree import RolloutTree
 from trace.tree_io import read_trees, tree_path, write_trees
@@ -141,18 +143,7 @@ class Trainer:
         self.checkpoint_step = self.next_step
         self.history = list(state.get("history", []))[: self.next_step]
         if self.allocator_state is not None:
-            if state.get("allocator_state") is None:
-                raise CheckpointError(f"the checkpoint of {self.run_dir} holds no allocator state for the arm "
-                                      f"{self.ablation!r}, whose root rule keeps one; delete its folder to train "
-                                      f"from step 0: rm -r {self.run_dir / 'checkpoint'}")
-            try:
-                self.allocator_state.load_state_dict(state["allocator_state"])
-            except (KeyError, ValueError, TypeError, AttributeError) as err:
-                what = f"lacks the key {err.args[0]!r}" if isinstance(err, KeyError) and err.args else \
-                    f"does not hold the arm's fields ({type(err).__name__}: {err})"
-                raise CheckpointError(f"the allocator state in {state_path(self.run_dir)} (arm {self.ablation!r}) "
-                                      f"{what}; the checkpoint is damaged or was written by other code. Delete "
-                                      f"its folder to train from step 0: rm -r {self.run_dir / 'checkpoint'}") from err
+            load_allocator_state(self.allocator_state, state, self.run_dir, self.ablation)
         self.probe_initial = next((float(h["probe/initial"]) for h in self.history if "probe/initial" in h), None)
         return self.next_step
 
@@ -167,16 +158,16 @@ class Trainer:
         return out
 
     # ---- one step ----------------------------------------------------------------------------------------
-    def _policy_sampler(self, step: int, oracle_salt: str = "oracle") -> PolicySampler | MonteCarloScorer:
+    def _policy_sampler(self, step: int, oracle_salt: str = "oracle", maps=None) -> Any:
         """The step's rollouts and scores (salt ``s`` samples with seed ``step_seed(seed, step, s)``): the
-        predictor's, or for an arm with ``scores="monte_carlo"`` (``trace_oracle``) Monte-Carlo estimates on
-        salts stemmed ``oracle_salt``."""
+        predictor's (recalibrated by ``maps``, ``trace.training.recalibration``, where given), or for an arm with
+        ``scores="monte_carlo"`` (``trace_oracle``) Monte-Carlo estimates on salts stemmed ``oracle_salt``."""
         cfg = self.cfg
         inner = PolicySampler(self.policy, self.env, self.backend, self.predictor,
                               lambda salt: sampling_spec(cfg.rollout, step_seed(cfg.seed, step, salt)),
                               step=step, ablation=self.ablation, max_context_tokens=cfg.policy.max_context_tokens)
         if self.spec.scores != "monte_carlo":
-            return inner
+            return inner if maps is None else RecalibratedSampler(inner, maps)
         if self.world_size > 1:  # the other ranks' trees arrive without the states their prefixes continue from
             raise ValueError(f"{self.ablation} runs in one process: its estimates continue every tree's prefixes, "
                              "and a rank holds only its own trees' states; run it without the launch params")
@@ -203,13 +194,14 @@ class Trainer:
             raise RuntimeError(f"the predictor differs between ranks after the refit (state digests {digests}); "
                                "every rank must see the same trees and run the same deterministic fit")
 
-    def _truth_audit(self, step: int, candidates: Sequence[Prompt], trees: Sequence[RolloutTree]) -> dict[str, float]:
+    def _truth_audit(self, step: int, candidates: Sequence[Prompt], trees: Sequence[RolloutTree],
+                     maps=None) -> dict[str, float]:
         """``predictor.truth``: the predictor's forecasts on an unselected sample against Monte-Carlo truth, before
         its refit (``trace.predictor.ground_truth``); own salts and generator, nothing added to ``trees``."""
         from trace.predictor.ground_truth import audit_forecasts
 
         cfg, truth = self.cfg, self.cfg.predictor.truth
-        sampler = self._policy_sampler(step, "truth_oracle")  # trace_oracle: its own estimates, scored
+        sampler = self._policy_sampler(step, "truth_oracle", maps)  # what the allocator reads, scored
         metrics, _ = audit_forecasts(sampler, candidates, trees, num_roots=truth.roots, num_prefixes=truth.prefixes,
                                      samples=truth.samples, rng=step_rng(cfg.seed, step, "truth"))
         if isinstance(sampler, MonteCarloScorer):  # what those estimates cost is the audit's too
@@ -229,8 +221,11 @@ class Trainer:
         idx = candidate_indices(len(self.train_prompts), acfg.num_candidates, cfg.seed, step)
         candidates = [self.train_prompts[i] for i in idx]
         self._sync_weights()
-        sampler = DataParallelSampler(self._policy_sampler(step), self.tokens_per_trajectory, rank=self.rank,
-                                      world_size=self.world_size)  # whole trees per rank, each rank scores alike
+        previous = self.window_trees(step - 1)  # the predictor's window before this step
+        maps, fitted = (step_maps(self.history, previous) if cfg.predictor.recalibrate
+                        and self.spec.scores != "monte_carlo" else (None, None))  # predictor.recalibrate
+        sampler = DataParallelSampler(self._policy_sampler(step, maps=maps), self.tokens_per_trajectory,
+                                      rank=self.rank, world_size=self.world_size)  # whole trees per rank, scored alike
         result = allocate_step(self.spec, candidates, sampler, acfg, lambda salt: step_rng(cfg.seed, step, salt),
                                state=self.allocator_state)
         trees, all_for_metrics = result.trees, result.sampled_trees
@@ -241,13 +236,12 @@ class Trainer:
         truth = cfg.predictor.truth
         if truth.every and (step + 1) % truth.every == 0:  # every rank alike: the predictor's forward may be collective
             t0 = time.perf_counter()
-            metrics.update(self._truth_audit(step, candidates, all_for_metrics))
+            metrics.update(self._truth_audit(step, candidates, all_for_metrics, maps))
             timings["time/truth"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
         if all_for_metrics:
             metrics.update(self.predictor.evaluate(all_for_metrics))
-        previous = self.window_trees(step - 1)  # the predictor's window before this step
         window = previous + all_for_metrics
         if window:
             metrics.update({k: v for k, v in self.predictor.fit(window).items() if isinstance(v, (int, float))})
@@ -266,7 +260,8 @@ class Trainer:
                               baseline=adv.baseline, scale=adv.scale, negative_weight=adv.negative_weight)
         metrics.update(rollout_metrics(all_for_metrics, num_candidates=len(candidates)))
         metrics.update(audit_metrics(result))
-        metrics.update(integrated_metrics(result, previous))  # the same forecasts over the truth's spread
+        metrics.update(integrated_metrics(result, previous, fitted))  # the same forecasts over the truth's spread
+        metrics.update(map_metrics(maps) if maps else {})
         if result.is_filtered:
             # only kept groups carry gradient signal
             metrics.update({k: v for k, v in rollout_metrics(trees, len(candidates)).items()
