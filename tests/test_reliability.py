@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from trace.predictor.ground_truth import reliability_diagram
-from trace.predictor.reliability import diagram_metrics, draw_reliability, history_diagram, is_diagram_key, \
-    pool_diagrams
+from trace.predictor.calibration import expected_calibration_error
+from trace.predictor.reliability import diagram_ece, diagram_metrics, draw_reliability, history_diagram, \
+    is_diagram_key, pool_diagrams
 
 
 def _audit(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -50,6 +51,21 @@ def test_pooling_seeds_is_the_diagram_of_every_seed_together():
     pooled = pool_diagrams(history_diagram(_history(s), "prefix") for s in seeds)
     _close(pooled, reliability_diagram(*union, num_bins=10))
     assert sum(r["count"] for r in pooled) == union[2].sum()
+
+
+def test_the_pooled_ece_is_the_ece_of_the_union_and_below_the_mean_of_per_audit_eces_of_a_calibrated_predictor():
+    rng = np.random.default_rng(11)
+    audits = {}
+    for step in range(40):  # calibrated but unsharp: x ~ Beta(2p, 2(1 - p)), 16 outcomes each, 32 items an audit
+        p = rng.uniform(0.02, 0.98, 32)
+        x = rng.beta(2 * p, 2 * (1 - p))
+        audits[step] = (p, rng.binomial(16, x) / 16, np.full(32, 16.0))
+    union = [np.concatenate([a[i] for a in audits.values()]) for i in range(3)]
+    pooled = history_diagram(_history(audits), "prefix")
+    assert diagram_ece(pooled) == pytest.approx(expected_calibration_error(*union, num_bins=10), rel=1e-9)
+    per_audit = np.mean([expected_calibration_error(*a, num_bins=10) for a in audits.values()])
+    assert diagram_ece(pooled) < 0.05 < per_audit  # the per-audit mean reads the items' scatter as miscalibration
+    assert np.isnan(diagram_ece([]))
 
 
 def test_the_bin_metrics_name_the_stage_and_the_bin_and_refuse_an_unknown_stage():
@@ -110,9 +126,11 @@ def test_the_report_pools_each_arms_diagrams_and_draws_them(tmp_path: Path):
     assert sum(r["count"] for r in expected) > 0
     text = render_markdown(results, {}, 2)
     first = expected[0]
-    assert (f"| trace | root | {first['mean_forecast']:.2f} -> {first['realised_rate']:.2f} ({first['count']:,.0f});"
-            in text)
-    assert metrics_table(results, 2)["trace"]["reliability"]["root"][0]["count"] == first["count"]
+    assert (f"| trace | root | {diagram_ece(expected):.3f} | {first['mean_forecast']:.2f} -> "
+            f"{first['realised_rate']:.2f} ({first['count']:,.0f});" in text)
+    table = metrics_table(results, 2)["trace"]
+    assert table["reliability"]["root"][0]["count"] == first["count"]
+    assert table["pooled_ece"] == {"root": pytest.approx(diagram_ece(expected)), "prefix": None}
     assert RELIABILITY_PLOT in [p.name for p in write_plots(results, tmp_path)]
     assert RELIABILITY_PLOT not in [p.name for p in write_plots(THREE_SEEDS, tmp_path)]  # stale one removed
     assert not (tmp_path / RELIABILITY_PLOT).exists()

@@ -20,7 +20,8 @@ import re
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-__all__ = ["STAGES", "diagram_metrics", "draw_reliability", "history_diagram", "is_diagram_key", "pool_diagrams"]
+__all__ = ["STAGES", "diagram_ece", "diagram_metrics", "draw_reliability", "history_diagram", "is_diagram_key",
+           "pool_diagrams"]
 
 STAGES = ("root", "prefix")
 FIELDS = {"outcomes": "count", "forecast": "mean_forecast", "realised": "realised_rate"}
@@ -119,6 +120,20 @@ def pool_diagrams(diagrams: Iterable[Sequence[Mapping[str, float]]], num_bins: i
             acc[1] += row["count"] * row["mean_forecast"]
             acc[2] += row["count"] * row["realised_rate"]
     return _rows(cells, num_bins)
+
+
+def diagram_ece(rows: Sequence[Mapping[str, float]]) -> float:
+    """The ECE of a (pooled) diagram: ``sum_b W_b |pbar_b - obar_b| / sum_b W_b``; NaN without outcomes.
+
+    Pooled over audits it is the ECE of their union, binned alike (``expected_calibration_error``). The mean of
+    per-audit ECEs is not: with a few dozen items per audit, a bin holds a handful of items whose true success
+    probabilities scatter around their forecast (the spread ``kappa`` of ``trace.predictor.forecast``), and
+    ``|pbar_b - obar_b|`` then averages that scatter, an upward bias that a calibrated predictor shows too.
+    """
+    total = sum(r["count"] for r in rows)
+    if total <= 0:
+        return float("nan")
+    return float(sum(r["count"] * abs(r["mean_forecast"] - r["realised_rate"]) for r in rows) / total)
 
 
 def draw_reliability(diagrams: Mapping[str, Mapping[str, Sequence[Mapping[str, float]]]], path: str | Path | None = None,

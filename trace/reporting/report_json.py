@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from trace.predictor.reliability import diagram_ece
 from trace.reporting.report import CONFIDENCE, arm_statistics
 from trace.reporting.statistics import Interval, TargetCrossings
 from trace.reporting.verdicts import ALPHA, DEFAULT_MARGIN, FAMILIES, POWER, judge
@@ -95,5 +96,6 @@ def metrics_table(results: dict, pass_k: int, confidence: float = CONFIDENCE, wa
         if st.get("reliability"):  # pooled over the audits and seeds
             entry["reliability"] = {stage: [{k: _clean(v) for k, v in row.items()} for row in rows]
                                     for stage, rows in st["reliability"].items()}
+            entry["pooled_ece"] = {stage: _clean(diagram_ece(rows)) for stage, rows in st["reliability"].items()}
         out[abl] = entry
     return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from trace.predictor.reliability import diagram_ece
 from trace.reporting.report import TRUTH_SCORES
 from trace.reporting.statistics import Interval
 
@@ -74,12 +75,14 @@ def _reliability_lines(arms: dict, scored: Sequence[str]) -> list[str]:
     if not rows:
         return []
     lines = ["", "Reliability diagrams (`reliability.png`), pooled over the audited steps and seeds: per forecast bin, "
-             "mean forecast -> realised rate (outcomes). A calibrated predictor has the two equal in every bin.", "",
-             "| ablation | stage | bins |", "|---|---|---|"]
+             "mean forecast -> realised rate (outcomes). A calibrated predictor has the two equal in every bin. "
+             "Pooled ECE: the ECE of that union (the table above averages per-audit ECEs, each over a few dozen "
+             "items, which a calibrated but unsharp predictor also scores well above 0).", "",
+             "| ablation | stage | pooled ECE | bins |", "|---|---|---:|---|"]
     for abl, stage, diagram in rows:
         cells = "; ".join(f"{_num(r['mean_forecast'], 2)} -> {_num(r['realised_rate'], 2)} ({_num(r['count'], 0)})"
                           for r in diagram)
-        lines.append(f"| {abl} | {stage} | {cells} |")
+        lines.append(f"| {abl} | {stage} | {_num(diagram_ece(diagram), 3)} | {cells} |")
     return lines
 
 
