@@ -126,11 +126,15 @@ def test_the_report_pools_each_arms_diagrams_and_draws_them(tmp_path: Path):
     assert sum(r["count"] for r in expected) > 0
     text = render_markdown(results, {}, 2)
     first = expected[0]
-    assert (f"| trace | root | {diagram_ece(expected):.3f} | {first['mean_forecast']:.2f} -> "
+    seeds = {s: diagram_ece(history_diagram(r["history"], "root")) for s, r in results["trace"].items()}
+    assert stats["trace"]["pooled_ece_seeds"]["root"] == seeds
+    assert (f"| trace | root | {diagram_ece(expected):.3f} | s0 {seeds[0]:.3f}, s1 {seeds[1]:.3f}, s2 {seeds[2]:.3f} | "
+            f"{first['mean_forecast']:.2f} -> "
             f"{first['realised_rate']:.2f} ({first['count']:,.0f});" in text)
     table = metrics_table(results, 2)["trace"]
     assert table["reliability"]["root"][0]["count"] == first["count"]
     assert table["pooled_ece"] == {"root": pytest.approx(diagram_ece(expected)), "prefix": None}
+    assert table["pooled_ece_seeds"]["root"] == {f"s{s}": pytest.approx(v) for s, v in seeds.items()}
     assert RELIABILITY_PLOT in [p.name for p in write_plots(results, tmp_path)]
     assert RELIABILITY_PLOT not in [p.name for p in write_plots(THREE_SEEDS, tmp_path)]  # stale one removed
     assert not (tmp_path / RELIABILITY_PLOT).exists()

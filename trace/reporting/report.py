@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
-from trace.predictor.reliability import STAGES, history_diagram, is_diagram_key, pool_diagrams
+from trace.predictor.reliability import STAGES, diagram_ece, history_diagram, is_diagram_key, pool_diagrams
 from trace.reporting.report_questions import bootstrap_against, bootstrap_gain
 from trace.reporting.statistics import Interval, crossing_target, mean_interval, paired_difference, target_refusal, \
     tokens_to_target_censored
@@ -262,7 +262,8 @@ def arm_statistics(results: dict, pass_k: int, confidence: float = CONFIDENCE,
         Interval of per-step means} (``AUDIT_KEYS`` and ``TRUTH_KEYS``, only keys some seed logged), "audit_seeds":
         {key: {seed: per-step mean}}, "flips_vs_random": ``flips_ratio`` (None for ``tree_random``),
         "reliability": {"root", "prefix": rows} pooled over the audits and seeds
-        (``trace.predictor.reliability``) or None}}}``.
+        (``trace.predictor.reliability``) or None, "pooled_ece_seeds": {stage: {seed: ECE of the seed's pooled
+        diagram}}}}}``.
 
     References:
         docs/method.md, "Statistics over seeds".
@@ -307,6 +308,8 @@ def arm_statistics(results: dict, pass_k: int, confidence: float = CONFIDENCE,
         diagrams = {stage: pool_diagrams(history_diagram(res["history"], stage) for res in results[abl].values())
                     for stage in STAGES}
         entry["reliability"] = diagrams if any(diagrams.values()) else None
+        entry["pooled_ece_seeds"] = {stage: {seed: diagram_ece(history_diagram(res["history"], stage))
+                                             for seed, res in results[abl].items()} for stage in STAGES}
         arms[abl] = entry
     for abl, entry in arms.items():  # stage 2 against random anchors at the same budget, paired by seed
         entry["flips_vs_random"] = flips_ratio(entry, arms.get(RANDOM_ANCHORS), confidence) if abl != RANDOM_ANCHORS \

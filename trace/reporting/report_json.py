@@ -97,5 +97,7 @@ def metrics_table(results: dict, pass_k: int, confidence: float = CONFIDENCE, wa
             entry["reliability"] = {stage: [{k: _clean(v) for k, v in row.items()} for row in rows]
                                     for stage, rows in st["reliability"].items()}
             entry["pooled_ece"] = {stage: _clean(diagram_ece(rows)) for stage, rows in st["reliability"].items()}
+            entry["pooled_ece_seeds"] = {stage: {f"s{s}": _clean(v) for s, v in by.items()}
+                                         for stage, by in st["pooled_ece_seeds"].items()}
         out[abl] = entry
     return out

@@ -78,11 +78,12 @@ def _reliability_lines(arms: dict, scored: Sequence[str]) -> list[str]:
              "mean forecast -> realised rate (outcomes). A calibrated predictor has the two equal in every bin. "
              "Pooled ECE: the ECE of that union (the table above averages per-audit ECEs, each over a few dozen "
              "items, which a calibrated but unsharp predictor also scores well above 0).", "",
-             "| ablation | stage | pooled ECE | bins |", "|---|---|---:|---|"]
+             "| ablation | stage | pooled ECE | per seed | bins |", "|---|---|---:|---|---|"]
     for abl, stage, diagram in rows:
         cells = "; ".join(f"{_num(r['mean_forecast'], 2)} -> {_num(r['realised_rate'], 2)} ({_num(r['count'], 0)})"
                           for r in diagram)
-        lines.append(f"| {abl} | {stage} | {_num(diagram_ece(diagram), 3)} | {cells} |")
+        seeds = ", ".join(f"s{s} {_num(v, 3)}" for s, v in arms[abl]["pooled_ece_seeds"][stage].items())
+        lines.append(f"| {abl} | {stage} | {_num(diagram_ece(diagram), 3)} | {seeds} | {cells} |")
     return lines
 
 
