@@ -43,6 +43,7 @@ from scripts.docs_tables_benchmarks import (allocation_objectives_table, allocat
                                             step_dtype_table, warmup_sweep_table)
 from scripts.docs_tables_common import INDEX, RUNS, Context, DocsTableError, read_index
 from scripts.docs_tables_presets import PRESET_REPORTS, preset_table, presets_table
+from scripts.docs_tables_predictor import calibration_table
 from scripts.docs_tables_runs import (ABLATION_REPORTS, LEARNING_BAR, arms_table, audit_table, gain_avgk_table,
                                       gain_table, overview_table, primary_table, regime_table, tokens_to_target_table,
                                       truth_table, vs_grpo_table)
@@ -91,6 +92,7 @@ def tables() -> dict[str, Callable[[Context], str]]:
     out["learning-study"] = learning_study_table
     out["precision-study"] = precision_study_table
     out["data-files"] = data_files_table
+    out["predictor-calibration"] = calibration_table
     return out
 
 

@@ -348,3 +348,35 @@ def test_the_audit_and_truth_tables_show_integrated_forecasts_and_the_unselected
         arm["audit"] = {k: v for k, v in arm["audit"].items() if "integrated" not in k}
     (folder / "metrics.json").write_text(json.dumps({"ablations": ablations, "warmup": {}}))
     assert "| arm | expected mixed groups | mixed groups | expected flips | flips |" in docs_tables.audit_table(ctx, "paper")
+
+
+def test_the_calibration_table_pairs_the_recalibrated_run_with_the_predictors_own_by_seed(tmp_path):
+    from scripts.docs_tables_predictor import calibration_table
+
+    iv = lambda mean, half=0.0: {"mean": mean, "low": mean - half, "high": mean + half, "n": 3}  # noqa: E731
+
+    def report(name: str, ece: list[float], auc: list[float], avgk: list[float]) -> None:
+        entry = {"pooled_ece": {"root": sum(ece) / 3 - 0.01, "prefix": 0.06},
+                 "pooled_ece_seeds": {"root": {f"s{s}": v for s, v in enumerate(ece)},
+                                      "prefix": {"s0": 0.06, "s1": 0.06, "s2": 0.06}},
+                 "audit": {"truth/root_ece": iv(0.12, 0.03), "truth/root_auc": iv(0.84)},
+                 "audit_seeds": {"truth/root_auc": {f"s{s}": v for s, v in enumerate(auc)}},
+                 **{f"s{s}": {"eval/accuracy/mean_at_8": v} for s, v in enumerate(avgk)}}
+        folder = tmp_path / "reports" / "runs" / name
+        folder.mkdir(parents=True)
+        (folder / "metrics.json").write_text(json.dumps({"ablations": {"trace": entry}, "warmup": {}}))
+
+    report("own-x", [0.08, 0.10, 0.06], [0.80, 0.84, 0.88], [0.40, 0.42, 0.44])
+    report("recal-x", [0.05, 0.06, 0.04], [0.80, 0.84, 0.88], [0.41, 0.42, 0.46])
+    ctx = docs_tables.Context(root=tmp_path, doc=tmp_path / "README.md",
+                              index={"reliability": "own-x", "recalibrated": "recal-x"})
+    text = calibration_table(ctx)
+    assert "| the predictor's forecasts | root | 0.070 | s0 0.080, s1 0.100, s2 0.060 | 0.120 ± 0.030 | 0.840 ± 0.000 |" \
+        in text
+    # differences -0.03, -0.04, -0.02: mean -0.03, t-interval -0.03 ± 4.303 * 0.01 / sqrt(3)
+    assert "pooled ECE, roots -0.030 [-0.055, -0.005]" in text and "AUC, roots +0.000 [+0.000, +0.000]" in text
+    assert "held-out avg@8 +0.010 [-0.015, +0.035]" in text  # +0.01, 0, +0.02 and "prefixes +0.000" in text
+    assert "recal-x/metrics.json" in text and "own-x/metrics.json" in text
+    ctx = docs_tables.Context(root=tmp_path, doc=tmp_path / "README.md", index={"reliability": "own-x",
+                                                                                  "recalibrated": None})
+    assert "No committed report yet" in calibration_table(ctx)
