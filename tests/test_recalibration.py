@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from trace.predictor.forecast import ForecastModel
-from trace.training.recalibration import RecalibratedSampler, compose, last_maps, map_metrics, step_maps
+from trace.training.recalibration import RecalibratedSampler, invert, logged_maps, map_metrics, step_maps
 from trace.tree import Origin, RolloutTree
 
 
@@ -25,46 +25,66 @@ def _logit(x):
     return np.log(x / (1 - x))
 
 
-def test_composing_two_maps_is_applying_one_after_the_other():
-    inner, outer = ForecastModel(0.3, 0.8), ForecastModel(-0.5, 1.4, kappa=7.0, num_items=12)
-    p = np.array([0.05, 0.3, 0.5, 0.9])
-    both = compose(outer, inner)
-    assert both.mean(p) == pytest.approx(outer.mean(inner.mean(p)), rel=1e-12)
-    assert _logit(both.mean(p)) == pytest.approx(-0.5 + 1.4 * (0.3 + 0.8 * _logit(p)), rel=1e-9)
-    assert (both.kappa, both.num_items) == (7.0, 12)
-    assert compose(ForecastModel(), inner).mean(p) == pytest.approx(inner.mean(p))
+def test_invert_reads_the_predictors_forecast_back_through_a_map():
+    model = ForecastModel(-0.5, 1.4, kappa=7.0)
+    p = np.array([0.02, 0.3, 0.5, 0.9, 0.98])
+    assert invert(model, model.mean(p)) == pytest.approx(p, rel=1e-9)
+    assert invert(ForecastModel(), p) == pytest.approx(p)
+    assert np.isnan(invert(ForecastModel(0.3, 0.0), [0.4, 0.6])).all()  # a flat map: nothing to read back
 
 
-def test_the_previous_map_is_read_back_from_the_last_step_that_logged_it():
-    assert all(m == ForecastModel() for m in last_maps([]).values())
+def test_the_maps_of_earlier_steps_are_read_back_from_the_history():
+    assert logged_maps([]) == {}
     history = [{"step": 0, **map_metrics({"root": ForecastModel(0.1, 0.9), "prefix": ForecastModel(0.2, 1.1)})},
                {"step": 1, "loss": 0.3},
-               {"step": 2, **map_metrics({"root": ForecastModel(-0.4, 0.7), "prefix": ForecastModel(0.0, 1.3)})},
-               {"step": 3, "loss": 0.2}]
-    maps = last_maps(history)
-    assert (maps["root"].alpha, maps["root"].beta, maps["prefix"].beta) == (-0.4, 0.7, 1.3)
+               {"step": 2, **map_metrics({"root": ForecastModel(-0.4, 0.7), "prefix": ForecastModel(0.0, 1.3)})}]
+    maps = logged_maps(history)
+    assert sorted(maps) == [0, 2] and (maps[2]["root"].alpha, maps[2]["root"].beta, maps[0]["prefix"].beta) == (
+        -0.4, 0.7, 1.1)
+
+
+def _truth(p, alpha=-1.0, beta=0.5):
+    return 1 / (1 + np.exp(-(alpha + beta * _logit(p))))
+
+
+def _step_trees(rng, step, maps, n=64):
+    p = rng.uniform(0.05, 0.95, n)
+    stored = maps["root"].mean(p)
+    trees = [_root_group(f"{step}-{i}", float(q), rng.binomial(1, x, 8)) for i, (q, x) in enumerate(zip(stored, _truth(p)))]
+    for tree in trees:
+        tree.step = step
+    return trees
 
 
 def test_the_recalibrated_forecasts_are_calibrated_where_the_predictors_are_not():
     # the predictor forecasts p; the truth is sigmoid(-1 + 0.5 logit p): too optimistic and too sharp
     rng = np.random.default_rng(0)
-    p = rng.uniform(0.05, 0.95, 600)
-    x = 1 / (1 + np.exp(-(-1.0 + 0.5 * _logit(p))))
-    trees = [_root_group(str(i), float(pi), rng.binomial(1, xi, 8)) for i, (pi, xi) in enumerate(zip(p, x))]
-    maps, corrections = step_maps([], trees)
+    trees = _step_trees(rng, 0, {"root": ForecastModel()}, n=600)
+    maps = step_maps({}, trees)
     assert maps["root"].alpha == pytest.approx(-1.0, abs=0.2) and maps["root"].beta == pytest.approx(0.5, abs=0.1)
-    assert corrections["prefix"] == ForecastModel()  # no anchors: the identity, unfitted
+    assert maps["prefix"] == ForecastModel()  # no anchors: the identity, unfitted
     fresh = rng.uniform(0.05, 0.95, 2000)
-    truth = 1 / (1 + np.exp(-(-1.0 + 0.5 * _logit(fresh))))
-    assert np.abs(maps["root"].mean(fresh) - truth).mean() < 0.03 < np.abs(fresh - truth).mean()
-    # the next step composes on the map before: calibrated forecasts need no further correction
-    history = [{"step": 0, **map_metrics(maps)}]
-    stored = [_root_group(str(i), float(q), rng.binomial(1, xi, 8))
-              for i, (q, xi) in enumerate(zip(maps["root"].mean(p), x))]
-    again, correction = step_maps(history, stored)
-    assert correction["root"].alpha == pytest.approx(0.0, abs=0.2)
-    assert correction["root"].beta == pytest.approx(1.0, abs=0.2)
-    assert again["root"].mean(fresh) == pytest.approx(maps["root"].mean(fresh), abs=0.05)
+    assert np.abs(maps["root"].mean(fresh) - _truth(fresh)).mean() < 0.03 < np.abs(fresh - _truth(fresh)).mean()
+    # trees that stored the mapped forecasts are read back through their step's map: the same fit, no drift
+    stored = _step_trees(rng, 1, maps, n=600)
+    again = step_maps({1: maps}, stored)
+    assert again["root"].alpha == pytest.approx(-1.0, abs=0.2) and again["root"].beta == pytest.approx(0.5, abs=0.1)
+    # read as if unmapped, the same trees would ask for a second correction on top of the first
+    assert step_maps({}, stored)["root"].beta == pytest.approx(1.0, abs=0.25)
+
+
+@pytest.mark.parametrize("window", [2, 8])
+def test_the_map_stays_at_the_truth_step_after_step_with_a_window_of_several_steps(window):
+    rng = np.random.default_rng(window)
+    used, trees, alphas, betas = {}, [], [], []
+    for step in range(30):
+        previous = [t for t in trees if t.step >= step - window]
+        maps = used[step] = step_maps(used, previous)
+        trees += _step_trees(rng, step, maps)
+        alphas.append(maps["root"].alpha)
+        betas.append(maps["root"].beta)
+    # from step 3 on the fit has data; it neither oscillates away from the truth nor collapses to a flat map
+    assert np.abs(np.array(alphas[3:]) + 1.0).max() < 0.5 and np.abs(np.array(betas[3:]) - 0.5).max() < 0.25
 
 
 class _Base:
@@ -97,16 +117,25 @@ def test_recalibration_off_keeps_the_params_hash_and_on_changes_it():
     assert config_from_dict({"predictor": {"recalibrate": True}}).params_hash() != Config().params_hash()
 
 
+def test_the_sampler_can_be_copied():
+    import copy
+
+    sampler = copy.copy(RecalibratedSampler(_Base(), {"root": ForecastModel(), "prefix": ForecastModel()}))
+    assert sampler.rollouts == 7
+
+
 @pytest.mark.slow
 def test_a_recalibrated_run_reads_the_mapped_forecasts_and_resumes_with_the_same_maps(tmp_path, monkeypatch):
-    # the tiny policy never succeeds, so every fit is the identity: a fixed correction G stands in for the fit,
-    # and F_t = G o F_{t-1} must then compose step after step, also across a resume
+    # the tiny policy never succeeds, so every real fit is the identity: a fit that reads its input stands in
+    # (alpha = the mean forecast it is given), so the forecasts read back through the earlier steps' maps show
     import trace.training.recalibration as recalibration
     from tests.test_loop import tiny_trainer
     from trace.tree_io import read_trees, tree_path
 
-    correction = ForecastModel(0.3, 0.8, kappa=5.0, num_items=10)
-    monkeypatch.setattr(recalibration, "fit_forecast_model", lambda *a, **k: correction)
+    def fake_fit(pred, successes, trials, min_items=8):
+        return ForecastModel(float(np.mean(pred)) if len(pred) else 0.0, 0.8, kappa=5.0, num_items=len(pred))
+
+    monkeypatch.setattr(recalibration, "fit_forecast_model", fake_fit)
     over = {"predictor.recalibrate": True, "train.checkpoint_every": 2, "train.num_steps": 4}
     runs = {}
     for on in (False, True):
@@ -114,18 +143,17 @@ def test_a_recalibrated_run_reads_the_mapped_forecasts_and_resumes_with_the_same
         runs[on] = (trainer, trainer.run())
     off, on = runs[False][1], runs[True][1]
     assert not any(k.startswith("recalibration/") for k in off[0])
-    expected = ForecastModel()
-    for metrics in on:
-        expected = compose(correction, expected)
-        assert metrics["recalibration/root_alpha"] == pytest.approx(expected.alpha)
-        assert metrics["recalibration/prefix_beta"] == pytest.approx(expected.beta)
+    assert on[0]["recalibration/root_alpha"] == 0.0 and on[0]["recalibration/root_beta"] == 0.8  # no window yet
     # step 0: the same predictor in both runs; the recalibrated run's roots hold F_0 of the forecasts it read
     read = lambda on_, step: {t.prompt_uid: t.nodes[0].pred_success_prob  # noqa: E731
                               for t in read_trees(tree_path(runs[on_][0].trees_root, "trace", step))}
     raw, mapped = read(False, 0), read(True, 0)
     shared = sorted(set(raw) & set(mapped))
-    assert shared and [mapped[u] for u in shared] == pytest.approx(correction.mean([raw[u] for u in shared]))
-    # an interrupted run (steps 0-1, then resumed) reads F_1 back from its history and continues the composition
+    assert shared and [mapped[u] for u in shared] == pytest.approx(ForecastModel(0.0, 0.8).mean([raw[u] for u in shared]))
+    # step 1 fits on step 0's forecasts read back through F_0: the predictor's own
+    read_back = recalibration.invert(ForecastModel(0.0, 0.8), list(read(True, 0).values()))
+    assert on[1]["recalibration/root_alpha"] == pytest.approx(np.mean(read_back))
+    # an interrupted run (steps 0-1, then resumed) reads the earlier maps back from its history: the same maps
     tiny_trainer("trace", tmp_path / "cut", over).run(until_step=2)  # checkpointed after step 1
     resumed = tiny_trainer("trace", tmp_path / "cut", over)
     assert resumed.resume() == 2

@@ -127,8 +127,11 @@ def diagram_ece(rows: Sequence[Mapping[str, float]]) -> float:
 
     Pooled over audits it is the ECE of their union, binned alike (``expected_calibration_error``). The mean of
     per-audit ECEs is not: with a few dozen items per audit, a bin holds a handful of items whose true success
-    probabilities scatter around their forecast (the spread ``kappa`` of ``trace.predictor.forecast``), and
-    ``|pbar_b - obar_b|`` then averages that scatter, an upward bias that a calibrated predictor shows too.
+    probabilities scatter around their forecast (the spread ``kappa`` of ``trace.predictor.forecast``), each
+    estimated from ``K`` continuations, and ``|pbar_b - obar_b|`` averages that scatter and that noise: an upward
+    bias that a calibrated predictor shows too. The pooled ECE keeps a smaller bias of the same kind, is never
+    above the outcome-weighted mean of the per-audit ECEs, and reads the calibration of the forecasts averaged over
+    the pooled audits: a miscalibration whose sign changes between audits (or seeds) cancels in it.
     """
     total = sum(r["count"] for r in rows)
     if total <= 0:

@@ -45,7 +45,7 @@ from trace.training.parallel import DataParallelSampler, all_gather_objects, bar
 from trace.sampling import make_rollout_backend, sampling_spec
 from trace.policy.lora import apply_lora
 from trace.training.seeding import candidate_indices, step_rng, step_seed
-from trace.training.recalibration import RecalibratedSampler, map_metrics, step_maps
+from trace.training.recalibration import RecalibratedSampler, logged_maps, map_metrics, step_maps
 from trace.training.token_budget import budget_spent, crossed_marks
 from trace.tree import RolloutTree
 from trace.tree_io import read_trees, tree_path, write_trees
@@ -106,6 +106,7 @@ class Trainer:
         self.checkpoint_step = 0  # next_step of the newest checkpoint saved or loaded
         self.history: list[dict] = []
         self.probe_initial: float | None = None  # the starting policy's probe success (train.probe_prompts)
+        self.recalibration_used: dict = {}  # predictor.recalibrate: step -> the maps its allocator read through
 
     # ---- paths and checkpoints ------------------------------------------------------------------------
     @property
@@ -222,8 +223,10 @@ class Trainer:
         candidates = [self.train_prompts[i] for i in idx]
         self._sync_weights()
         previous = self.window_trees(step - 1)  # the predictor's window before this step
-        maps, fitted = (step_maps(self.history, previous) if cfg.predictor.recalibrate
-                        and self.spec.scores != "monte_carlo" else (None, None))  # predictor.recalibrate
+        maps = None
+        if cfg.predictor.recalibrate and self.spec.scores != "monte_carlo":  # the maps earlier steps read through
+            self.recalibration_used = {**logged_maps(self.history), **self.recalibration_used}
+            maps = self.recalibration_used[step] = step_maps(self.recalibration_used, previous)
         sampler = DataParallelSampler(self._policy_sampler(step, maps=maps), self.tokens_per_trajectory,
                                       rank=self.rank, world_size=self.world_size)  # whole trees per rank, scored alike
         result = allocate_step(self.spec, candidates, sampler, acfg, lambda salt: step_rng(cfg.seed, step, salt),
@@ -260,7 +263,7 @@ class Trainer:
                               baseline=adv.baseline, scale=adv.scale, negative_weight=adv.negative_weight)
         metrics.update(rollout_metrics(all_for_metrics, num_candidates=len(candidates)))
         metrics.update(audit_metrics(result))
-        metrics.update(integrated_metrics(result, previous, fitted))  # the same forecasts over the truth's spread
+        metrics.update(integrated_metrics(result, previous, maps))  # the same forecasts over the truth's spread
         metrics.update(map_metrics(maps) if maps else {})
         if result.is_filtered:
             # only kept groups carry gradient signal

@@ -5,15 +5,17 @@ truth"), and both stages plug its forecast into functions whose maximiser depend
 order: ``A(p, m)`` peaks at ``p = 1/2``, ``V_pref`` at ``v`` far from the factual reward. With
 ``predictor.recalibrate`` the allocator of a predictor arm reads ``q = F_t(p)`` instead of ``p``, per stage, with
 
-    logit F_t(p) = alpha_t + beta_t logit p,    F_t = G_t o F_{t-1},    F_{-1} = identity,
+    logit F_t(p) = alpha_t + beta_t logit p,
 
-where ``G_t`` is ``trace.predictor.forecast.fit_forecast_model`` (Platt's recalibration of the mean, with the
-beta-binomial spread) fitted on the window's trees before step ``t`` (``predictor.window_steps``): the forecasts
-those trees hold, which are what the allocator read (``q``), against their outcomes (root groups:
-``trace.reporting.audit.root_outcomes``; anchors with their factual reward: ``anchor_outcomes``). ``G_t`` is the
-correction the recent forecasts still need; once they are calibrated it is the identity and ``F_t`` stays. The
-composition of two such maps is one (``compose``), so ``F_t`` is two numbers per stage, logged every step as
-``recalibration/<stage>_{alpha, beta}``; a resumed run reads ``F_{t-1}`` back from its history.
+``trace.predictor.forecast.fit_forecast_model`` (Platt's recalibration of the mean, with the beta-binomial spread)
+fitted on the window's trees before step ``t`` (``predictor.window_steps``): the predictor's own forecasts there
+against their outcomes (root groups: ``trace.reporting.audit.root_outcomes``; anchors with their factual reward:
+``anchor_outcomes``). The trees store what the allocator read, ``q_s = F_s(p_s)``; the fit reads the predictor's
+``p_s`` back through the map of the tree's own step, ``logit p_s = (logit q_s - alpha_s) / beta_s``
+(``raw_outcomes``). Fitting on ``p`` keeps no feedback between steps: a map fitted on the already-mapped ``q`` and
+composed onto the last map would count the older maps' correction again, and with a window of several steps it
+oscillates or collapses. ``F_t`` is logged every step as ``recalibration/<stage>_{alpha, beta}``; a resumed run
+reads the maps of earlier steps back from its history (``logged_maps``).
 
 The Monte-Carlo truth audit scores what the allocator reads, so with this on it scores ``q``.
 
@@ -32,15 +34,10 @@ from trace.predictor.forecast import ForecastModel, fit_forecast_model
 from trace.reporting.audit import anchor_outcomes, root_outcomes
 from trace.tree import RolloutTree
 
-__all__ = ["RecalibratedSampler", "compose", "last_maps", "map_metrics", "step_maps"]
+__all__ = ["RecalibratedSampler", "invert", "logged_maps", "map_metrics", "raw_outcomes", "step_maps"]
 
 STAGES = ("root", "prefix")
-
-
-def compose(outer: ForecastModel, inner: ForecastModel) -> ForecastModel:
-    """``outer o inner``: ``logit q = a_o + b_o (a_i + b_i logit p)``, the spread and item count of ``outer``."""
-    return ForecastModel(outer.alpha + outer.beta * inner.alpha, outer.beta * inner.beta, outer.kappa,
-                         outer.num_items)
+_EPS = 1e-6
 
 
 def map_metrics(maps: Mapping[str, ForecastModel]) -> dict[str, float]:
@@ -49,31 +46,57 @@ def map_metrics(maps: Mapping[str, ForecastModel]) -> dict[str, float]:
             for name in ("alpha", "beta")}
 
 
-def last_maps(history: Sequence[Mapping[str, float]]) -> dict[str, ForecastModel]:
-    """``F_{t-1}`` per stage: the last history entry that logged ``map_metrics``; the identity when none did."""
-    for entry in reversed(history):
-        if "recalibration/root_alpha" in entry:
-            return {stage: ForecastModel(float(entry[f"recalibration/{stage}_alpha"]),
-                                         float(entry[f"recalibration/{stage}_beta"])) for stage in STAGES}
-    return {stage: ForecastModel() for stage in STAGES}
+def logged_maps(history: Sequence[Mapping[str, float]]) -> dict[int, dict[str, ForecastModel]]:
+    """``{step: {"root": F_s, "prefix": F_s}}`` of every history entry that logged ``map_metrics``."""
+    return {int(entry["step"]): {stage: ForecastModel(float(entry[f"recalibration/{stage}_alpha"]),
+                                                      float(entry[f"recalibration/{stage}_beta"]))
+                                 for stage in STAGES}
+            for entry in history if "recalibration/root_alpha" in entry}
 
 
-def step_maps(history: Sequence[Mapping[str, float]], previous_trees: Sequence[RolloutTree]
-              ) -> tuple[dict[str, ForecastModel], dict[str, ForecastModel]]:
-    """``(F_t, G_t)`` per stage for the step after ``history`` (module docstring).
+def invert(model: ForecastModel, mapped: Any) -> np.ndarray:
+    """(N,) float64 ``p`` with ``model.mean(p) = mapped``: ``logit p = (logit q - alpha) / beta``; NaN where the
+    map is flat (``beta <= 0``: every ``p`` gave the same ``q``)."""
+    q = np.asarray(mapped, dtype=np.float64)
+    if model.alpha == 0.0 and model.beta == 1.0:
+        return q.copy()
+    if model.beta <= 0.0:
+        return np.full(q.shape, np.nan)
+    qc = np.clip(q, _EPS, 1 - _EPS)
+    z = (np.log(qc / (1 - qc)) - model.alpha) / model.beta
+    return 1.0 / (1.0 + np.exp(-z))
+
+
+def raw_outcomes(trees: Sequence[RolloutTree], used: Mapping[int, Mapping[str, ForecastModel]]
+                 ) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per stage, ``(pred, successes, trials)`` of ``trees`` with each forecast read back through the map of its
+    tree's step (``used[tree.step]``; the identity for a step without one); items whose map was flat are left out.
+    """
+    columns: dict[str, list[list[np.ndarray]]] = {stage: [[], [], []] for stage in STAGES}
+    for tree in trees:
+        maps = used.get(tree.step, {})
+        for stage, outcomes in (("root", root_outcomes([tree])), ("prefix", anchor_outcomes([tree]))):
+            pred = invert(maps.get(stage, ForecastModel()), outcomes[0])
+            keep = np.isfinite(pred)
+            for column, values in zip(columns[stage], (pred, outcomes[1], outcomes[2])):
+                column.append(np.asarray(values)[keep])
+    return {stage: tuple(np.concatenate(c) if c else np.zeros(0) for c in cols) for stage, cols in columns.items()}
+
+
+def step_maps(used: Mapping[int, Mapping[str, ForecastModel]],
+              previous_trees: Sequence[RolloutTree]) -> dict[str, ForecastModel]:
+    """``{"root": F_t, "prefix": F_t}`` for the step after ``previous_trees`` (module docstring).
 
     Args:
-        history: the run's per-step metrics so far (``Trainer.history``).
+        used: the maps each earlier step's allocator read through (``logged_maps`` and the steps run since).
         previous_trees: the window's trees before this step (never this step's).
 
     Returns:
-        ``({"root": F_t, "prefix": F_t}, {"root": G_t, "prefix": G_t})``; ``G_t`` is the identity for a stage with
-        fewer than ``forecast.MIN_ITEMS`` outcomes, and ``F_t`` then keeps ``F_{t-1}``.
+        ``fit_forecast_model`` per stage on the window's forecasts read back to the predictor's; the identity for
+        a stage with fewer than ``forecast.MIN_ITEMS`` outcomes.
     """
-    prior = last_maps(history)
-    corrections = {"root": fit_forecast_model(*root_outcomes(previous_trees)),
-                   "prefix": fit_forecast_model(*anchor_outcomes(previous_trees))}
-    return {stage: compose(corrections[stage], prior[stage]) for stage in STAGES}, corrections
+    outcomes = raw_outcomes(previous_trees, used)
+    return {stage: fit_forecast_model(*outcomes[stage]) for stage in STAGES}
 
 
 class RecalibratedSampler:
@@ -97,4 +120,6 @@ class RecalibratedSampler:
         return [self.maps["prefix"].mean(v) for v in self.base.score_anchors(trees, node_ids)]
 
     def __getattr__(self, name: str) -> Any:
+        if name == "base":  # not set yet (copy, unpickling): no recursion through the lookup below
+            raise AttributeError(name)
         return getattr(self.base, name)
