@@ -44,7 +44,7 @@ from scripts.docs_tables_benchmarks import (allocation_objectives_table, allocat
 from scripts.docs_tables_common import INDEX, RUNS, Context, DocsTableError, read_index
 from scripts.docs_tables_presets import PRESET_REPORTS, preset_table, presets_table
 from scripts.docs_tables_predictor import calibration_table
-from scripts.docs_tables_runs import (ABLATION_REPORTS, LEARNING_BAR, arms_table, audit_table, gain_avgk_table,
+from scripts.docs_tables_runs import (ABLATION_REPORTS, LEARNING_BAR, accounting_table, arms_table, audit_table, gain_avgk_table,
                                       gain_table, overview_table, primary_table, regime_table, tokens_to_target_table,
                                       truth_table, vs_grpo_table)
 
@@ -78,6 +78,7 @@ def tables() -> dict[str, Callable[[Context], str]]:
         out[f"{key}-gain-avgk"] = lambda ctx, key=key: gain_avgk_table(ctx, key)
         out[f"{key}-overview"] = lambda ctx, key=key: overview_table(ctx, key)
         out[f"{key}-primary"] = lambda ctx, key=key: primary_table(ctx, key)
+        out[f"{key}-accounting"] = lambda ctx, key=key: accounting_table(ctx, key)
     for key in PRESET_REPORTS:
         out[f"preset-{key}"] = lambda ctx, key=key: preset_table(ctx, key)
     out["allocators-on-one-budget"] = allocators_table

@@ -15,7 +15,7 @@ from scripts.docs_tables_common import ABLATION_REPORTS, Context, _finite, _miss
 from trace.reporting.statistics import interval_from_dict
 from trace.reporting.verdicts import DEFAULT_MARGIN, judge
 
-__all__ = ["ABLATION_REPORTS", "LEARNING_BAR", "arms_table", "audit_table", "gain_avgk_table", "gain_table",
+__all__ = ["ABLATION_REPORTS", "LEARNING_BAR", "accounting_table", "arms_table", "audit_table", "gain_avgk_table", "gain_table",
            "overview_table", "primary_table", "regime_table", "tokens_to_target_table", "truth_table", "vs_grpo_table"]
 # The learning bar of the accuracy run: grpo's held-out gain over its warmup (docs/results.md)
 LEARNING_BAR = 0.10
@@ -413,3 +413,29 @@ def truth_table(ctx: Context, key: str) -> str:
                  "mean over seeds [95 % t-interval]: " + "; ".join(ratios) + ".")
     return _table(["arm", "stage", "ECE", "Brier", "reliability", "resolution", "AUC", "forecast mean",
                    "realised mean"], rows) + "\n\n" + note
+
+
+def accounting_table(ctx: Context, key: str) -> str:
+    """Per arm, what the run held equal and what it did not: RL steps taken and generated tokens, each seed's and
+    their mean, from the train runs' results (``arm/steps``, ``arm/tokens``); with ``train.token_budget`` the
+    tokens are equal within a step and the steps are not."""
+    folder, metrics = ctx.report(key)
+    if metrics is None:
+        return _missing(ctx, key)
+    abl = metrics["ablations"]
+    rows = []
+    for arm in _ranked(abl):
+        seeds = _seeds(abl[arm])
+        steps = [abl[arm][s].get("arm/steps") for s in seeds]
+        tokens = [abl[arm][s].get("arm/tokens") for s in seeds]
+        if not all(_finite(v) for v in steps + tokens) or not seeds:
+            continue
+        rows.append([f"`{arm}`", _num(sum(steps) / len(steps), 1), ", ".join(f"{s} {_num(v, 0)}" for s, v in
+                                                                           zip(seeds, steps)),
+                     _num(sum(tokens) / len(tokens), 0), ", ".join(f"{s} {_num(v, 0)}" for s, v in zip(seeds, tokens))])
+    if not rows:
+        return "This report holds no per-seed steps and tokens (`arm/steps`, `arm/tokens`). " + _source(ctx, folder)
+    note = ("RL steps each run took and the tokens it generated (shared prefixes once; prompt and observation tokens "
+            "are outside the count), mean over seeds and each seed's. " + _source(ctx, folder))
+    return _table(["arm", "steps", "per seed", "generated tokens", "per seed"], rows,
+                  ["---", "---:", "---", "---:", "---"]) + "\n\n" + note

@@ -380,3 +380,21 @@ def test_the_calibration_table_pairs_the_recalibrated_run_with_the_predictors_ow
     ctx = docs_tables.Context(root=tmp_path, doc=tmp_path / "README.md", index={"reliability": "own-x",
                                                                                   "recalibrated": None})
     assert "No committed report yet" in calibration_table(ctx)
+
+
+def test_the_accounting_table_gives_each_arms_steps_and_tokens_per_seed(tmp_path):
+    iv = lambda mean: {"mean": mean, "low": mean, "high": mean, "n": 2}  # noqa: E731
+    ablations = {arm: {"mean": {"eval greedy": iv(0.5)},
+                       **{f"s{s}": {"arm/steps": steps[s], "arm/tokens": tokens[s]} for s in range(2)}}
+                 for arm, steps, tokens in (("grpo", [161, 161], [350_100.0, 350_900.0]),
+                                            ("trace", [205, 209], [350_050.0, 350_400.0]))}
+    folder = tmp_path / "reports" / "runs" / "tokens-x"
+    folder.mkdir(parents=True)
+    (folder / "metrics.json").write_text(json.dumps({"ablations": ablations, "warmup": {}}))
+    ctx = docs_tables.Context(root=tmp_path, doc=tmp_path / "README.md", index={"tokens": "tokens-x"})
+    text = docs_tables.tables()["tokens-accounting"](ctx)
+    assert "| `grpo` | 161.0 | s0 161, s1 161 | 350,500 | s0 350,100, s1 350,900 |" in text
+    assert "| `trace` | 207.0 | s0 205, s1 209 | 350,225 | s0 350,050, s1 350,400 |" in text
+    ablations["trace"]["s1"].pop("arm/steps")  # a seed without its steps: the arm is left out, not half-counted
+    (folder / "metrics.json").write_text(json.dumps({"ablations": ablations, "warmup": {}}))
+    assert "`trace`" not in docs_tables.tables()["tokens-accounting"](ctx)
