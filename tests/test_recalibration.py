@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from trace.predictor.forecast import ForecastModel
-from trace.training.recalibration import RecalibratedSampler, invert, logged_maps, map_metrics, step_maps
+from trace.training.recalibration import RecalibratedSampler, candidate_outcomes, invert, logged_maps, map_metrics, \
+    step_maps
 from trace.tree import Origin, RolloutTree
 
 
@@ -87,6 +88,53 @@ def test_the_map_stays_at_the_truth_step_after_step_with_a_window_of_several_ste
     assert np.abs(np.array(alphas[3:]) + 1.0).max() < 0.5 and np.abs(np.array(betas[3:]) - 0.5).max() < 0.25
 
 
+def _prefix_tree(name: str, v: float, x: float, rng, k: int = 4) -> tuple[RolloutTree, bool]:
+    """A root with one 2-turn rollout whose middle node is a scored candidate (forecast ``v``, true success ``x``);
+    stage 2 chooses it when the factual reward disagrees with the forecast, as ``V_pref`` does, and then adds
+    ``k`` continuations."""
+    tree = RolloutTree(tree_id=f"t/{name}", prompt_uid=f"u/{name}", data_source="toy", example_id=name)
+    tree.add_node(-1, turn_idx=-1, origin=Origin.PROMPT)
+    mid = tree.add_node(0, turn_idx=0, origin=Origin.ROLLOUT)
+    mid.pred_success_prob = v
+    factual = float(rng.random() < x)
+    tree.add_node(mid.node_id, turn_idx=1, origin=Origin.ROLLOUT, reward=factual)
+    chosen = (factual == 1.0) != (v > 0.5)
+    if chosen:
+        for _ in range(k):
+            tree.add_node(mid.node_id, turn_idx=1, origin=Origin.BRANCH, branch_anchor_id=mid.node_id,
+                          reward=float(rng.random() < x))
+    return tree, chosen
+
+
+def test_every_scored_prefix_enters_the_fit_so_choosing_by_the_factual_reward_biases_nothing():
+    from trace.predictor.forecast import fit_forecast_model
+    from trace.reporting.audit import anchor_outcomes
+
+    rng = np.random.default_rng(4)
+    v = rng.uniform(0.05, 0.95, 3000)
+    built = [_prefix_tree(str(i), float(vi), float(vi), rng) for i, vi in enumerate(v)]  # calibrated forecasts
+    trees = [t for t, _ in built]
+    pred, successes, trials = candidate_outcomes(trees)
+    assert pred.size == 3000 and trials.sum() == 3000 + 4 * sum(c for _, c in built)
+    every = fit_forecast_model(pred, successes, trials)
+    assert every.alpha == pytest.approx(0.0, abs=0.15) and every.beta == pytest.approx(1.0, abs=0.15)
+    # the chosen anchors alone: their factual rewards disagree with the forecast by construction
+    chosen = fit_forecast_model(*anchor_outcomes(trees))
+    assert chosen.beta < 0.8
+
+
+def test_a_few_outcomes_move_the_shrunk_map_little():
+    from trace.predictor.forecast import fit_forecast_model
+
+    rng = np.random.default_rng(2)
+    p = rng.uniform(0.3, 0.7, 10)  # stage 1's narrow range of forecasts
+    successes = rng.binomial(8, 0.5, 10).astype(float)
+    free, shrunk = fit_forecast_model(p, successes, np.full(10, 8)), fit_forecast_model(p, successes, np.full(10, 8),
+                                                                                          shrink=8.0)
+    assert free.beta == 0.0 < shrunk.beta  # the free fit goes flat on noise, the prior keeps a slope
+    assert fit_forecast_model(p, successes, np.full(10, 8), shrink=0.0) == free
+
+
 class _Base:
     rollouts = 7
 
@@ -132,11 +180,12 @@ def test_a_recalibrated_run_reads_the_mapped_forecasts_and_resumes_with_the_same
     from tests.test_loop import tiny_trainer
     from trace.tree_io import read_trees, tree_path
 
-    def fake_fit(pred, successes, trials, min_items=8):
+    def fake_fit(pred, successes, trials, min_items=8, shrink=0.0):
         return ForecastModel(float(np.mean(pred)) if len(pred) else 0.0, 0.8, kappa=5.0, num_items=len(pred))
 
     monkeypatch.setattr(recalibration, "fit_forecast_model", fake_fit)
-    over = {"predictor.recalibrate": True, "train.checkpoint_every": 2, "train.num_steps": 4}
+    over = {"predictor.recalibrate": True, "predictor.recalibrate_window": 2, "train.checkpoint_every": 2,
+            "train.num_steps": 4}
     runs = {}
     for on in (False, True):
         trainer = tiny_trainer("trace", tmp_path / f"whole{on}", {**over, "predictor.recalibrate": on})

@@ -64,3 +64,4 @@ class PredictorConfig(Section):
     truth: TruthConfig = Field(TruthConfig(), description="Monte-Carlo truth audit of the forecasts; every: 0 = off")
     recalibrate: bool = Field(False, description="the allocator reads the forecasts recalibrated online against the "
                               "window's outcomes (trace.training.recalibration); false = the predictor's own")
+    recalibrate_window: int = Field(8, ge=1, description="predictor.recalibrate: fit the map on the last N steps")

@@ -126,19 +126,22 @@ class ForecastModel:
                 f"forecast/{stage}_items": float(self.num_items)}
 
 
-def _neg_log_likelihood(params: np.ndarray, logit_p: np.ndarray, successes: np.ndarray, trials: np.ndarray) -> float:
+def _neg_log_likelihood(params: np.ndarray, logit_p: np.ndarray, successes: np.ndarray, trials: np.ndarray,
+                        shrink: float = 0.0) -> float:
     from scipy.special import betaln
 
     alpha, beta, log_kappa = params
+    penalty = shrink * (alpha ** 2 + (beta - 1.0) ** 2) / (2.0 * logit_p.size)  # a Gaussian prior at the identity
     q = np.clip(1.0 / (1.0 + np.exp(-(alpha + beta * logit_p))), _EPS, 1 - _EPS)
     kappa = math.exp(log_kappa)
     a, b = q * kappa, (1.0 - q) * kappa
     # the binomial coefficient does not depend on the parameters; the mean per item keeps the optimiser's
     # relative tolerance meaningful for any number of outcomes
-    return -float(np.mean(betaln(a + successes, b + trials - successes) - betaln(a, b)))
+    return -float(np.mean(betaln(a + successes, b + trials - successes) - betaln(a, b))) + penalty
 
 
-def fit_forecast_model(pred: Any, successes: Any, trials: Any, min_items: int = MIN_ITEMS) -> ForecastModel:
+def fit_forecast_model(pred: Any, successes: Any, trials: Any, min_items: int = MIN_ITEMS,
+                       shrink: float = 0.0) -> ForecastModel:
     """Maximum-likelihood ``(alpha, beta, kappa)`` of the beta-binomial ``s_i ~ BetaBin(n_i, q_i kappa,
     (1 - q_i) kappa)``, ``q_i = sigmoid(alpha + beta logit p_i)``.
 
@@ -147,6 +150,8 @@ def fit_forecast_model(pred: Any, successes: Any, trials: Any, min_items: int = 
         successes: (N,) float ``s_i``, successes among the item's outcomes (0/1 rewards summed).
         trials: (N,) int ``n_i >= 1`` outcomes.
         min_items: fewer items than this (or outcomes all alike): the identity model, unfitted.
+        shrink: the precision, in items, of a Gaussian prior on ``(alpha, beta - 1)`` at 0 (maximum a posteriori);
+            0 (the default) is maximum likelihood.
 
     Returns:
         ``ForecastModel`` (``alpha`` in [-10, 10], ``beta`` in [0, 5], ``kappa`` in [0.05, 10^4]; L-BFGS-B from
@@ -178,7 +183,7 @@ def fit_forecast_model(pred: Any, successes: Any, trials: Any, min_items: int = 
     excess = float(np.var(r - p) - np.mean(r * (1 - r) / n))
     moments = rate * (1 - rate) / excess - 1.0 if excess > 0 else 1e4
     bounds = [(-10.0, 10.0), (0.0, 5.0), (math.log(0.05), math.log(1e4))]
-    results = [minimize(_neg_log_likelihood, np.array([0.0, 1.0, math.log(k)]), args=(logit_p, s, n),
+    results = [minimize(_neg_log_likelihood, np.array([0.0, 1.0, math.log(k)]), args=(logit_p, s, n, shrink),
                         method="L-BFGS-B", bounds=bounds, options={"ftol": 1e-12, "gtol": 1e-8})
                for k in (10.0, float(np.clip(moments, 0.05, 1e4)))]
     result = min(results, key=lambda res: res.fun)

@@ -148,9 +148,9 @@ class Trainer:
         self.probe_initial = next((float(h["probe/initial"]) for h in self.history if "probe/initial" in h), None)
         return self.next_step
 
-    def window_trees(self, step: int) -> list[RolloutTree]:
-        """Trees of steps ``[step - window + 1, step]`` read back from Parquet (the predictor's window)."""
-        lo = max(0, step - self.cfg.predictor.window_steps + 1)
+    def window_trees(self, step: int, steps: int | None = None) -> list[RolloutTree]:
+        """Trees of steps ``[step - steps + 1, step]`` read back from Parquet (``steps``: the predictor's window)."""
+        lo = max(0, step - (steps or self.cfg.predictor.window_steps) + 1)
         out: list[RolloutTree] = []
         for s in range(lo, step + 1):
             path = tree_path(self.trees_root, self.ablation, s)
@@ -226,7 +226,8 @@ class Trainer:
         maps = None
         if cfg.predictor.recalibrate and self.spec.scores != "monte_carlo":  # the maps earlier steps read through
             self.recalibration_used = {**logged_maps(self.history), **self.recalibration_used}
-            maps = self.recalibration_used[step] = step_maps(self.recalibration_used, previous)
+            maps = self.recalibration_used[step] = step_maps(
+                self.recalibration_used, self.window_trees(step - 1, cfg.predictor.recalibrate_window))
         sampler = DataParallelSampler(self._policy_sampler(step, maps=maps), self.tokens_per_trajectory,
                                       rank=self.rank, world_size=self.world_size)  # whole trees per rank, scored alike
         result = allocate_step(self.spec, candidates, sampler, acfg, lambda salt: step_rng(cfg.seed, step, salt),

@@ -8,9 +8,13 @@ order: ``A(p, m)`` peaks at ``p = 1/2``, ``V_pref`` at ``v`` far from the factua
     logit F_t(p) = alpha_t + beta_t logit p,
 
 ``trace.predictor.forecast.fit_forecast_model`` (Platt's recalibration of the mean, with the beta-binomial spread)
-fitted on the window's trees before step ``t`` (``predictor.window_steps``): the predictor's own forecasts there
-against their outcomes (root groups: ``trace.reporting.audit.root_outcomes``; anchors with their factual reward:
-``anchor_outcomes``). The trees store what the allocator read, ``q_s = F_s(p_s)``; the fit reads the predictor's
+fitted on the trees of the ``predictor.recalibrate_window`` steps before step ``t``: the predictor's own forecasts
+there against their outcomes, with a Gaussian prior of ``SHRINK`` items at the identity (stage 1 samples the
+prompts it forecasts near 1/2, a narrow range of forecasts that leaves the slope to chance). Root groups:
+``trace.reporting.audit.root_outcomes`` (chosen by the forecast alone). Prefixes: ``candidate_outcomes``, every
+prefix stage 2 scored, chosen or not, with its factual rollouts and its continuations where it got them: the
+choice read the factual reward, so leaving the unchosen out (as ``anchor_outcomes`` does for the chosen anchors'
+own forecasts) would select on the outcome. The trees store what the allocator read, ``q_s = F_s(p_s)``; the fit reads the predictor's
 ``p_s`` back through the map of the tree's own step, ``logit p_s = (logit q_s - alpha_s) / beta_s``
 (``raw_outcomes``). Fitting on ``p`` keeps no feedback between steps: a map fitted on the already-mapped ``q`` and
 composed onto the last map would count the older maps' correction again, and with a window of several steps it
@@ -31,13 +35,43 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from trace.predictor.forecast import ForecastModel, fit_forecast_model
-from trace.reporting.audit import anchor_outcomes, root_outcomes
-from trace.tree import RolloutTree
+from trace.reporting.audit import continuation_rewards, root_outcomes
+from trace.tree import Origin, RolloutTree
 
-__all__ = ["RecalibratedSampler", "invert", "logged_maps", "map_metrics", "raw_outcomes", "step_maps"]
+__all__ = ["RecalibratedSampler", "candidate_outcomes", "invert", "logged_maps", "map_metrics", "raw_outcomes",
+           "step_maps"]
 
 STAGES = ("root", "prefix")
+SHRINK = 8.0  # the prior's weight in items (fit_forecast_model's shrink): a window of a few groups moves it little
 _EPS = 1e-6
+
+
+def candidate_outcomes(trees: Sequence[RolloutTree]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(pred, successes, trials)`` of every prefix stage 2 scored in its first round, chosen or not: a node of the
+    bare root rollouts (``Origin.ROLLOUT``) that carries a forecast, with the rewards of the root rollouts through it
+    (its factual trajectories, known for every candidate) and of its own continuations where stage 2 chose it.
+    Which candidates got continuations depended only on their forecasts and factual rewards, both in these data,
+    so the choice is ignorable in this likelihood. Rewards are clipped to [0, 1]."""
+    rows = []
+    for tree in trees:
+        factual: dict[int, list[float]] = {}
+        for leaf in tree.leaves():
+            if leaf.origin != Origin.ROLLOUT:
+                continue
+            node = leaf
+            while node.parent_id > 0:
+                node = tree.nodes[node.parent_id]
+                factual.setdefault(node.node_id, []).append(tree.reward_of(leaf))
+        continuations = continuation_rewards(tree)
+        for node in tree.nodes[1:]:
+            p = node.pred_success_prob
+            if node.origin == Origin.ROLLOUT and p is not None and np.isfinite(p) and node.node_id in factual:
+                rewards = np.clip(np.concatenate([factual[node.node_id], continuations.get(node.node_id, [])]), 0, 1)
+                rows.append((float(p), float(rewards.sum()), int(rewards.size)))
+    if not rows:
+        return np.zeros(0), np.zeros(0), np.zeros(0, dtype=np.int64)
+    p, successes, trials = zip(*rows)
+    return np.array(p), np.array(successes), np.array(trials, dtype=np.int64)
 
 
 def map_metrics(maps: Mapping[str, ForecastModel]) -> dict[str, float]:
@@ -75,7 +109,7 @@ def raw_outcomes(trees: Sequence[RolloutTree], used: Mapping[int, Mapping[str, F
     columns: dict[str, list[list[np.ndarray]]] = {stage: [[], [], []] for stage in STAGES}
     for tree in trees:
         maps = used.get(tree.step, {})
-        for stage, outcomes in (("root", root_outcomes([tree])), ("prefix", anchor_outcomes([tree]))):
+        for stage, outcomes in (("root", root_outcomes([tree])), ("prefix", candidate_outcomes([tree]))):
             pred = invert(maps.get(stage, ForecastModel()), outcomes[0])
             keep = np.isfinite(pred)
             for column, values in zip(columns[stage], (pred, outcomes[1], outcomes[2])):
@@ -89,14 +123,14 @@ def step_maps(used: Mapping[int, Mapping[str, ForecastModel]],
 
     Args:
         used: the maps each earlier step's allocator read through (``logged_maps`` and the steps run since).
-        previous_trees: the window's trees before this step (never this step's).
+        previous_trees: the trees of the ``predictor.recalibrate_window`` steps before this one (never this step's).
 
     Returns:
-        ``fit_forecast_model`` per stage on the window's forecasts read back to the predictor's; the identity for
-        a stage with fewer than ``forecast.MIN_ITEMS`` outcomes.
+        ``fit_forecast_model`` per stage (``shrink=SHRINK``) on the window's forecasts read back to the
+        predictor's; the identity for a stage with fewer than ``forecast.MIN_ITEMS`` outcomes.
     """
     outcomes = raw_outcomes(previous_trees, used)
-    return {stage: fit_forecast_model(*outcomes[stage]) for stage in STAGES}
+    return {stage: fit_forecast_model(*outcomes[stage], shrink=SHRINK) for stage in STAGES}
 
 
 class RecalibratedSampler:
