@@ -26,9 +26,10 @@ def _seeds(values: dict | None) -> dict[int, float]:
 
 
 def _interval(iv) -> str:
+    mean = 0.0 if abs(iv.mean) < 5e-4 else iv.mean  # no "-0.000"
     if iv.n < 2:
-        return f"{_num(iv.mean, 3, True)} (one seed)"
-    return f"{_num(iv.mean, 3, True)} [{_num(iv.low, 3, True)}, {_num(iv.high, 3, True)}]"
+        return f"{_num(mean, 3, True)} (one seed)"
+    return f"{_num(mean, 3, True)} [{_num(iv.low, 3, True)}, {_num(iv.high, 3, True)}]"
 
 
 def calibration_table(ctx: Context) -> str:

@@ -356,7 +356,8 @@ class Config(_Section):
         if not self.predictor.truth.every:  # the audit off: the hash of a run from before the section existed
             data["predictor"].pop("truth")
         if not self.predictor.recalibrate:  # off: as before it existed
-            data["predictor"].pop("recalibrate"), data["predictor"].pop("recalibrate_window")
+            for key in ("recalibrate", "recalibrate_window"):
+                data["predictor"].pop(key)
         if self.allocation.oracle_samples == ORACLE_SAMPLES:  # read by trace_oracle alone; as before it existed
             data["allocation"].pop("oracle_samples")
         for key in ("token_budget", "eval_every_tokens"):  # unset: the hash of a run from before they existed
