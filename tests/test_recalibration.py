@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from trace.predictor.forecast import ForecastModel
-from trace.training.recalibration import RecalibratedSampler, candidate_outcomes, invert, logged_maps, map_metrics, \
-    step_maps
+from trace.training.recalibration import KNOTS, IsotonicMap, RecalibratedSampler, candidate_outcomes, \
+    fit_isotonic_map, invert, logged_maps, map_metrics, step_maps
 from trace.tree import Origin, RolloutTree
 
 
@@ -32,6 +32,17 @@ def test_invert_reads_the_predictors_forecast_back_through_a_map():
     assert invert(model, model.mean(p)) == pytest.approx(p, rel=1e-9)
     assert invert(ForecastModel(), p) == pytest.approx(p)
     assert np.isnan(invert(ForecastModel(0.3, 0.0), [0.4, 0.6])).all()  # a flat map: nothing to read back
+
+
+def test_an_isotonic_map_is_read_back_exactly_and_logged_by_its_knots():
+    model = IsotonicMap(tuple(0.1 + 0.05 * x + (0.6 * x if x > 0.4 else 0.0) for x in KNOTS))
+    p = np.array([0.0, 0.03, 0.35, 0.45, 0.9, 1.0])
+    assert invert(model, model.mean(p)) == pytest.approx(p, abs=1e-12)
+    assert invert(IsotonicMap(), p) == pytest.approx(p)
+    history = [{"step": 3, **map_metrics({"root": model, "prefix": ForecastModel(0.2, 1.1)})}]
+    assert "recalibration/root_knot10" in history[0] and "recalibration/root_alpha" not in history[0]
+    maps = logged_maps(history)[3]
+    assert maps["root"].values == pytest.approx(model.values) and maps["prefix"] == ForecastModel(0.2, 1.1)
 
 
 def test_the_maps_of_earlier_steps_are_read_back_from_the_history():
@@ -86,6 +97,45 @@ def test_the_map_stays_at_the_truth_step_after_step_with_a_window_of_several_ste
         betas.append(maps["root"].beta)
     # from step 3 on the fit has data; it neither oscillates away from the truth nor collapses to a flat map
     assert np.abs(np.array(alphas[3:]) + 1.0).max() < 0.5 and np.abs(np.array(betas[3:]) - 0.5).max() < 0.25
+
+
+def _step_truth(p):
+    """A truth with a step that no logistic map follows: 0.15 below a forecast of 0.4, then 0.2 + 0.7 p."""
+    p = np.asarray(p, dtype=np.float64)
+    return np.where(p < 0.4, 0.15, 0.2 + 0.7 * p)
+
+
+def test_the_isotonic_map_follows_a_step_that_the_logistic_map_cannot():
+    rng = np.random.default_rng(5)
+    p = rng.uniform(0.02, 0.98, 800)
+    trees = [_root_group(str(i), float(pi), rng.binomial(1, x, 8)) for i, (pi, x) in enumerate(zip(p, _step_truth(p)))]
+    for tree in trees:
+        tree.step = 0
+    isotonic, platt = step_maps({}, trees, "isotonic")["root"], step_maps({}, trees, "platt")["root"]
+    fresh = rng.uniform(0.02, 0.98, 4000)
+    error = {name: np.abs(m.mean(fresh) - _step_truth(fresh)).mean() for name, m in (("iso", isotonic), ("platt", platt))}
+    assert error["iso"] < 0.03 < error["platt"], error
+    assert isotonic.num_items == 800 and 1 < isotonic.kappa < np.inf  # the spread around the mapped forecasts
+    assert np.all(np.diff(isotonic.values) > 0)  # strictly increasing: invertible
+    assert step_maps({}, trees[:5], "isotonic")["root"] == IsotonicMap()  # too few items: the identity
+    with pytest.raises(ValueError, match="recalibrate_map"):
+        step_maps({}, trees, "beta")
+
+
+def test_the_isotonic_map_stays_at_the_truth_step_after_step():
+    rng = np.random.default_rng(11)
+    used, trees, errors = {}, [], []
+    grid = np.linspace(0.05, 0.95, 19)
+    for step in range(20):
+        maps = used[step] = step_maps(used, [t for t in trees if t.step >= step - 8], "isotonic")
+        p = rng.uniform(0.05, 0.95, 64)
+        for i, (q, x) in enumerate(zip(maps["root"].mean(p), _step_truth(p))):
+            tree = _root_group(f"{step}-{i}", float(q), rng.binomial(1, x, 8))  # the tree stores what was read
+            tree.step = step
+            trees.append(tree)
+        errors.append(np.abs(maps["root"].mean(grid) - _step_truth(grid)).mean())
+    # read back through each step's own map, the window keeps fitting the predictor's forecasts: no drift
+    assert max(errors[4:]) < 0.05 < errors[0]
 
 
 def _prefix_tree(name: str, v: float, x: float, rng, k: int = 4) -> tuple[RolloutTree, bool]:
@@ -163,6 +213,12 @@ def test_recalibration_off_keeps_the_params_hash_and_on_changes_it():
     assert Config().predictor.recalibrate is False
     assert config_from_dict({"predictor": {"recalibrate": False}}).params_hash() == Config().params_hash()
     assert config_from_dict({"predictor": {"recalibrate": True}}).params_hash() != Config().params_hash()
+    # the map's kind: the Platt map keeps the hash of runs from before the key existed, isotonic is another run
+    platt = config_from_dict({"predictor": {"recalibrate": True}}).params_hash()
+    assert config_from_dict({"predictor": {"recalibrate": True, "recalibrate_map": "platt"}}).params_hash() == platt
+    assert config_from_dict({"predictor": {"recalibrate": True, "recalibrate_map": "isotonic"}}).params_hash() not in (
+        platt, Config().params_hash())
+    assert config_from_dict({"predictor": {"recalibrate_map": "isotonic"}}).params_hash() == Config().params_hash()
 
 
 def test_the_sampler_can_be_copied():

@@ -345,8 +345,8 @@ class Config(_Section):
 
         Left out: the arms (``train.ablations``: adding one must not invalidate the others), ``train.steps_per_task``
         (orchestration), ``report`` (how results are judged), ``tracking``, ``launch``; ``predictor.truth`` while
-        off (it never changes what an arm trains), ``predictor.recalibrate`` off, ``allocation.oracle_samples`` at
-        its default (only ``trace_oracle`` reads it), and the token budget's keys while unset.
+        off (it never changes what an arm trains), ``predictor.recalibrate`` off (and its ``platt`` map),
+        ``allocation.oracle_samples`` at its default (only ``trace_oracle`` reads it), the token budget's keys unset.
         """
         data = self.model_dump(mode="json")
         data["train"].pop("ablations", None)
@@ -355,8 +355,8 @@ class Config(_Section):
             data.pop(section, None)
         if not self.predictor.truth.every:  # the audit off: the hash of a run from before the section existed
             data["predictor"].pop("truth")
-        if not self.predictor.recalibrate:  # off: as before it existed
-            for key in ("recalibrate", "recalibrate_window"):
+        for key in ("recalibrate", "recalibrate_window", "recalibrate_map"):  # off, or the Platt map: as before them
+            if not self.predictor.recalibrate or (key == "recalibrate_map" and data["predictor"][key] == "platt"):
                 data["predictor"].pop(key)
         if self.allocation.oracle_samples == ORACLE_SAMPLES:  # read by trace_oracle alone; as before it existed
             data["allocation"].pop("oracle_samples")

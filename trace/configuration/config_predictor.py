@@ -8,6 +8,7 @@ without the key trains, logs and hashes as before (``Config.params_hash`` leaves
 from __future__ import annotations
 
 from enum import Enum
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -65,3 +66,6 @@ class PredictorConfig(Section):
     recalibrate: bool = Field(False, description="the allocator reads the forecasts recalibrated online against the "
                               "window's outcomes (trace.training.recalibration); false = the predictor's own")
     recalibrate_window: int = Field(8, ge=1, description="predictor.recalibrate: fit the map on the last N steps")
+    recalibrate_map: Literal["platt", "isotonic"] = Field(
+        "platt", description="predictor.recalibrate: platt (logistic in the logits) or isotonic (monotone, knots "
+        "every 0.1); trace.training.recalibration")

@@ -226,8 +226,8 @@ class Trainer:
         maps = None
         if cfg.predictor.recalibrate and self.spec.scores != "monte_carlo":  # the maps earlier steps read through
             self.recalibration_used = {**logged_maps(self.history), **self.recalibration_used}
-            maps = self.recalibration_used[step] = step_maps(
-                self.recalibration_used, self.window_trees(step - 1, cfg.predictor.recalibrate_window))
+            maps = self.recalibration_used[step] = step_maps(self.recalibration_used, self.window_trees(
+                step - 1, cfg.predictor.recalibrate_window), cfg.predictor.recalibrate_map)
         sampler = DataParallelSampler(self._policy_sampler(step, maps=maps), self.tokens_per_trajectory,
                                       rank=self.rank, world_size=self.world_size)  # whole trees per rank, scored alike
         result = allocate_step(self.spec, candidates, sampler, acfg, lambda salt: step_rng(cfg.seed, step, salt),

@@ -21,15 +21,27 @@ composed onto the last map would count the older maps' correction again, and wit
 oscillates or collapses. ``F_t`` is logged every step as ``recalibration/<stage>_{alpha, beta}``; a resumed run
 reads the maps of earlier steps back from its history (``logged_maps``).
 
+With ``predictor.recalibrate_map: isotonic`` the map is monotone instead of logistic (``IsotonicMap``):
+the pool-adjacent-violators fit of the window's success rates on ``p`` (scikit-learn's ``IsotonicRegression``,
+each item weighted by its outcomes), read at the knots ``p = 0, 0.1, ..., 1`` and linear between them, shrunk to
+the identity by ``SHRINK`` items. A logistic map bends the forecasts smoothly; the predictor's truth can have a
+step instead (docs/results.md, "The reliability diagrams"), which only a monotone map follows. The prior
+keeps the knots strictly increasing, so the map is read back exactly (``IsotonicMap.inverse``). Its knots are
+logged as ``recalibration/<stage>_knot<KK>``; the spread ``kappa`` the integrated forecasts read is the
+beta-binomial's around the mapped forecasts.
+
 The Monte-Carlo truth audit scores what the allocator reads, so with this on it scores ``q``.
 
 References:
     Platt (1999), "Probabilistic outputs for support vector machines" (the logistic recalibration); Kull, Silva
-    Filho and Flach (2017), "Beta calibration" (calibration maps linear in the logits).
+    Filho and Flach (2017), "Beta calibration" (calibration maps linear in the logits); Zadrozny and Elkan (2002),
+    "Transforming classifier scores into accurate multiclass probability estimates", KDD (isotonic recalibration).
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -38,12 +50,73 @@ from trace.predictor.forecast import ForecastModel, fit_forecast_model
 from trace.reporting.audit import continuation_rewards, root_outcomes
 from trace.tree import Origin, RolloutTree
 
-__all__ = ["RecalibratedSampler", "candidate_outcomes", "invert", "logged_maps", "map_metrics", "raw_outcomes",
-           "step_maps"]
+__all__ = ["IsotonicMap", "RecalibratedSampler", "candidate_outcomes", "fit_isotonic_map", "invert", "logged_maps",
+           "map_metrics", "raw_outcomes", "step_maps"]
 
 STAGES = ("root", "prefix")
 SHRINK = 8.0  # the prior's weight in items (fit_forecast_model's shrink): a window of a few groups moves it little
+KNOTS = tuple(i / 10 for i in range(11))  # where an IsotonicMap is read; ECE's bins are 0.1 wide
 _EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class IsotonicMap:
+    """``q = F(p)``, linear between ``values`` at ``KNOTS`` (module docstring); the identity by default.
+
+    Attributes:
+        values: (11,) ``F`` at ``KNOTS``, strictly increasing in [0, 1].
+        kappa: the beta-binomial spread around ``q`` (``inf``: the point forecast).
+        num_items: outcomes it was fitted on (0: not fitted).
+    """
+
+    values: tuple[float, ...] = KNOTS
+    kappa: float = math.inf
+    num_items: int = 0
+
+    def mean(self, pred: Any) -> np.ndarray:
+        """(N,) float64 ``F(p)`` of forecasts in [0, 1]."""
+        return np.interp(np.asarray(pred, dtype=np.float64), KNOTS, self.values)
+
+    def inverse(self, mapped: Any) -> np.ndarray:
+        """(N,) float64 ``p`` with ``F(p) = q``; ``q`` outside ``F``'s range reads as 0 or 1."""
+        return np.interp(np.asarray(mapped, dtype=np.float64), self.values, KNOTS)
+
+
+def fit_isotonic_map(pred: Any, successes: Any, trials: Any, shrink: float = SHRINK) -> IsotonicMap:
+    """The monotone map of the window's outcomes on the forecasts (module docstring).
+
+    Args:
+        pred: (N,) float forecasts ``p_i`` in [0, 1].
+        successes: (N,) float successes among item ``i``'s outcomes.
+        trials: (N,) int ``n_i >= 1`` outcomes; an item's weight in the fit.
+        shrink: the identity's weight in items: ``F(x) = (N F_iso(x) + shrink x) / (N + shrink)`` at each knot;
+            > 0 keeps ``F`` strictly increasing.
+
+    Returns:
+        ``IsotonicMap``; the identity (unfitted) with fewer than ``forecast.MIN_ITEMS`` items or outcomes all
+        alike, as ``fit_forecast_model``.
+
+    Raises:
+        ValueError: as ``fit_forecast_model``, or ``shrink <= 0``.
+    """
+    from sklearn.isotonic import IsotonicRegression
+
+    from trace.predictor.forecast import MIN_ITEMS
+
+    if not shrink > 0:
+        raise ValueError(f"shrink={shrink} must be > 0: it keeps the map strictly increasing, so invertible")
+    p = np.asarray(pred, dtype=np.float64).reshape(-1)
+    s = np.asarray(successes, dtype=np.float64).reshape(-1)
+    n = np.asarray(trials, dtype=np.float64).reshape(-1)
+    spread = fit_forecast_model(p, s, n)  # validates; the identity when too few items or outcomes all alike
+    if spread.num_items == 0 or p.size < MIN_ITEMS:
+        return IsotonicMap()
+    isotonic = IsotonicRegression(y_min=0.0, y_max=1.0, increasing=True, out_of_bounds="clip")
+    fitted = isotonic.fit(p, s / n, sample_weight=n).predict(np.array(KNOTS))
+    grid = np.array(KNOTS)
+    values = (p.size * fitted + shrink * grid) / (p.size + shrink)
+    kappa = fit_forecast_model(np.interp(p, grid, values), s, n).kappa  # the spread around the mapped forecasts
+    return IsotonicMap(tuple(float(v) for v in values), kappa, int(p.size))
 
 
 def candidate_outcomes(trees: Sequence[RolloutTree]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -74,23 +147,36 @@ def candidate_outcomes(trees: Sequence[RolloutTree]) -> tuple[np.ndarray, np.nda
     return np.array(p), np.array(successes), np.array(trials, dtype=np.int64)
 
 
-def map_metrics(maps: Mapping[str, ForecastModel]) -> dict[str, float]:
-    """``recalibration/<stage>_{alpha, beta}`` of ``{"root": F, "prefix": F}``."""
-    return {f"recalibration/{stage}_{name}": float(getattr(maps[stage], name)) for stage in STAGES
-            for name in ("alpha", "beta")}
+def map_metrics(maps: Mapping[str, ForecastModel | IsotonicMap]) -> dict[str, float]:
+    """``recalibration/<stage>_{alpha, beta}`` (a Platt map) or ``recalibration/<stage>_knot<KK>`` (an
+    ``IsotonicMap``, its values at ``KNOTS``) of ``{"root": F, "prefix": F}``."""
+    out = {}
+    for stage in STAGES:
+        if isinstance(maps[stage], IsotonicMap):
+            out.update({f"recalibration/{stage}_knot{k:02d}": v for k, v in enumerate(maps[stage].values)})
+        else:
+            out.update({f"recalibration/{stage}_{name}": float(getattr(maps[stage], name)) for name in ("alpha", "beta")})
+    return out
 
 
-def logged_maps(history: Sequence[Mapping[str, float]]) -> dict[int, dict[str, ForecastModel]]:
+def _logged_map(entry: Mapping[str, float], stage: str) -> ForecastModel | IsotonicMap:
+    if f"recalibration/{stage}_knot00" in entry:
+        return IsotonicMap(tuple(float(entry[f"recalibration/{stage}_knot{k:02d}"]) for k in range(len(KNOTS))))
+    return ForecastModel(float(entry[f"recalibration/{stage}_alpha"]), float(entry[f"recalibration/{stage}_beta"]))
+
+
+def logged_maps(history: Sequence[Mapping[str, float]]) -> dict[int, dict[str, ForecastModel | IsotonicMap]]:
     """``{step: {"root": F_s, "prefix": F_s}}`` of every history entry that logged ``map_metrics``."""
-    return {int(entry["step"]): {stage: ForecastModel(float(entry[f"recalibration/{stage}_alpha"]),
-                                                      float(entry[f"recalibration/{stage}_beta"]))
-                                 for stage in STAGES}
-            for entry in history if "recalibration/root_alpha" in entry}
+    return {int(entry["step"]): {stage: _logged_map(entry, stage) for stage in STAGES} for entry in history
+            if "recalibration/root_alpha" in entry or "recalibration/root_knot00" in entry}
 
 
-def invert(model: ForecastModel, mapped: Any) -> np.ndarray:
-    """(N,) float64 ``p`` with ``model.mean(p) = mapped``: ``logit p = (logit q - alpha) / beta``; NaN where the
-    map is flat (``beta <= 0``: every ``p`` gave the same ``q``)."""
+def invert(model: ForecastModel | IsotonicMap, mapped: Any) -> np.ndarray:
+    """(N,) float64 ``p`` with ``model.mean(p) = mapped``: ``IsotonicMap.inverse``, or for a Platt map
+    ``logit p = (logit q - alpha) / beta``; NaN where that map is flat (``beta <= 0``: every ``p`` gave the same
+    ``q``)."""
+    if isinstance(model, IsotonicMap):
+        return model.inverse(mapped)
     q = np.asarray(mapped, dtype=np.float64)
     if model.alpha == 0.0 and model.beta == 1.0:
         return q.copy()
@@ -117,20 +203,28 @@ def raw_outcomes(trees: Sequence[RolloutTree], used: Mapping[int, Mapping[str, F
     return {stage: tuple(np.concatenate(c) if c else np.zeros(0) for c in cols) for stage, cols in columns.items()}
 
 
-def step_maps(used: Mapping[int, Mapping[str, ForecastModel]],
-              previous_trees: Sequence[RolloutTree]) -> dict[str, ForecastModel]:
+def step_maps(used: Mapping[int, Mapping[str, ForecastModel | IsotonicMap]], previous_trees: Sequence[RolloutTree],
+              kind: str = "platt") -> dict[str, ForecastModel | IsotonicMap]:
     """``{"root": F_t, "prefix": F_t}`` for the step after ``previous_trees`` (module docstring).
 
     Args:
         used: the maps each earlier step's allocator read through (``logged_maps`` and the steps run since).
         previous_trees: the trees of the ``predictor.recalibrate_window`` steps before this one (never this step's).
+        kind: ``predictor.recalibrate_map``: ``platt`` (``fit_forecast_model``) or ``isotonic``
+            (``fit_isotonic_map``).
 
     Returns:
-        ``fit_forecast_model`` per stage (``shrink=SHRINK``) on the window's forecasts read back to the
-        predictor's; the identity for a stage with fewer than ``forecast.MIN_ITEMS`` outcomes.
+        The map per stage (``shrink=SHRINK``) fitted on the window's forecasts read back to the predictor's; the
+        identity for a stage with fewer than ``forecast.MIN_ITEMS`` outcomes.
+
+    Raises:
+        ValueError: an unknown ``kind``.
     """
+    fits = {"platt": fit_forecast_model, "isotonic": fit_isotonic_map}
+    if kind not in fits:
+        raise ValueError(f"predictor.recalibrate_map={kind!r} is not one of {sorted(fits)}")
     outcomes = raw_outcomes(previous_trees, used)
-    return {stage: fit_forecast_model(*outcomes[stage], shrink=SHRINK) for stage in STAGES}
+    return {stage: fits[kind](*outcomes[stage], shrink=SHRINK) for stage in STAGES}
 
 
 class RecalibratedSampler:
