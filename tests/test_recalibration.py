@@ -266,3 +266,23 @@ def test_a_recalibrated_run_reads_the_mapped_forecasts_and_resumes_with_the_same
     for a, b in zip(again, on[2:]):
         assert {k: v for k, v in a.items() if k.startswith("recalibration/")} == pytest.approx(
             {k: v for k, v in b.items() if k.startswith("recalibration/")})
+
+
+@pytest.mark.slow
+def test_an_isotonic_run_logs_its_knots_and_resumes_with_the_same_maps(tmp_path):
+    # the real fit (the tiny policy never succeeds: an unfitted identity until a step has items, then a map shrunk
+    # toward the identity); every step logs the knots and the spread, and a resumed run reads the knots back
+    from tests.test_loop import tiny_trainer
+
+    over = {"predictor.recalibrate": True, "predictor.recalibrate_map": "isotonic", "predictor.recalibrate_window": 2,
+            "train.checkpoint_every": 2, "train.num_steps": 4}
+    whole = tiny_trainer("trace", tmp_path / "whole", over).run()
+    knots = [{k: v for k, v in m.items() if k.startswith("recalibration/")} for m in whole]
+    assert all(len(k) == 2 * 11 and "recalibration/prefix_knot10" in k for k in knots)
+    assert "forecast/root_kappa" in whole[-1] and "forecast/root_alpha" not in whole[-1]
+    tiny_trainer("trace", tmp_path / "cut", over).run(until_step=2)
+    resumed = tiny_trainer("trace", tmp_path / "cut", over)
+    assert resumed.resume() == 2
+    again = resumed.run()
+    assert [{k: v for k, v in m.items() if k.startswith("recalibration/")} for m in again] == [
+        pytest.approx(k) for k in knots[2:]]

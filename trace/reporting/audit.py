@@ -292,8 +292,8 @@ def integrated_metrics(result: StepResult, previous_trees: Sequence[RolloutTree]
 
     Returns:
         The two forecasts (NaN, like ``audit_metrics``' point forecasts, for arms that read no prediction) and
-        ``forecast/{root,prefix}_{alpha, beta, kappa, items}``. With fewer than ``forecast.MIN_ITEMS``
-        outcomes a stage keeps the point forecast (``items`` 0).
+        ``forecast/{root,prefix}_{alpha, beta, kappa, items}`` (an isotonic map: kappa and items). With fewer than
+        ``forecast.MIN_ITEMS`` outcomes a stage keeps the point forecast (``items`` 0).
     """
     if fitted is None:
         roots = fit_forecast_model(*root_outcomes(previous_trees))

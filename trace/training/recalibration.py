@@ -81,6 +81,11 @@ class IsotonicMap:
         """(N,) float64 ``p`` with ``F(p) = q``; ``q`` outside ``F``'s range reads as 0 or 1."""
         return np.interp(np.asarray(mapped, dtype=np.float64), self.values, KNOTS)
 
+    def metrics(self, stage: str) -> dict[str, float]:
+        """``forecast/<stage>_{kappa, items}`` (``ForecastModel.metrics`` without a logistic map's parameters)."""
+        return {f"forecast/{stage}_kappa": self.kappa if math.isfinite(self.kappa) else float("nan"),
+                f"forecast/{stage}_items": float(self.num_items)}
+
 
 def fit_isotonic_map(pred: Any, successes: Any, trials: Any, shrink: float = SHRINK) -> IsotonicMap:
     """The monotone map of the window's outcomes on the forecasts (module docstring).
