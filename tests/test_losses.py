@@ -192,6 +192,29 @@ def test_token_logprobs_of_bf16_logits_are_float32():
     assert torch.allclose(out[0, 1:], expected, atol=1e-6)
 
 
+@pytest.mark.parametrize("chunk", [1, 2 * 4 * 11, 3 * 4 * 11, 1 << 24])  # a sequence, 2, 3 of 7, all at once
+def test_token_logprobs_and_their_gradient_do_not_depend_on_the_chunking(chunk, monkeypatch):
+    import trace.losses as losses
+
+    gen = torch.Generator().manual_seed(5)
+    logits = (3 * torch.randn(7, 5, 11, generator=gen)).to(torch.bfloat16)
+    input_ids = torch.randint(0, 11, (7, 5), generator=gen)
+    weight = torch.randn(7, 5, generator=gen)
+
+    def run():
+        x = logits.clone().requires_grad_(True)
+        out = token_logprobs(x, input_ids, 0.7)
+        (out * weight).sum().backward()
+        return out.detach(), x.grad
+
+    reference = run()  # the default: the whole batch in one chunk
+    monkeypatch.setattr(losses, "LOGPROB_CHUNK_ELEMENTS", chunk)
+    chunked = run()
+    assert torch.equal(chunked[0], reference[0]) and torch.equal(chunked[1], reference[1])  # bit for bit
+    expected = torch.log_softmax(logits[:, :-1].float() / 0.7, -1).gather(-1, input_ids[:, 1:, None])[..., 0]
+    assert torch.allclose(chunked[0][:, 1:], expected, atol=1e-6)
+
+
 def test_sft_loss_is_cross_entropy_on_masked_tokens_only():
     gen = torch.Generator().manual_seed(4)
     logits = torch.randn(2, 6, 9, generator=gen)

@@ -78,6 +78,9 @@ def token_mean(values: torch.Tensor, loss_mask: torch.Tensor, num_tokens: int | 
     return (values * mask).sum() / denom
 
 
+LOGPROB_CHUNK_ELEMENTS = 1 << 24  # float32 logits per chunk of token_logprobs: 64 MiB
+
+
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Log-probability of each token given its prefix, under temperature-scaled logits.
 
@@ -85,8 +88,10 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     ``out[:, 0] = 0`` (the first token has no prediction). The rollout's sampling logprobs were taken
     under the same temperature, so this is what the PPO ratio compares them with.
 
-    Computed in float32 as ``gathered - logsumexp`` one sequence at a time, so a bf16 (B, T, V) batch never
-    becomes a full float32 copy.
+    Computed in float32 as ``gathered - logsumexp`` over chunks of whole sequences of at most
+    ``LOGPROB_CHUNK_ELEMENTS`` logits (at least one sequence), so a large bf16 (B, T, V) batch never becomes a full
+    float32 copy, and a small one is one chunk: each chunk's gradient is a slice of the logits' gradient, added
+    into a zero (B, T, V) tensor in backward, so one chunk per sequence costs B such tensors.
 
     Args:
         logits: (B, T, V) float, the causal LM's output for ``input_ids``.
@@ -108,12 +113,13 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     out = torch.zeros(num_seqs, num_positions, dtype=torch.float32, device=logits.device)
     if num_positions < 2 or num_seqs == 0:
         return out
+    step = max(1, LOGPROB_CHUNK_ELEMENTS // max(1, (num_positions - 1) * logits.shape[-1]))
     rows = []
-    for b in range(num_seqs):
-        scaled = logits[b, :-1].float() / temperature  # (T-1, V)
-        gathered = scaled.gather(-1, input_ids[b, 1:].unsqueeze(-1)).squeeze(-1)  # (T-1,)
+    for start in range(0, num_seqs, step):
+        scaled = logits[start:start + step, :-1].float() / temperature  # (b, T-1, V)
+        gathered = scaled.gather(-1, input_ids[start:start + step, 1:].unsqueeze(-1)).squeeze(-1)  # (b, T-1)
         rows.append(gathered - torch.logsumexp(scaled, dim=-1))
-    return torch.cat([out[:, :1], torch.stack(rows)], dim=1)
+    return torch.cat([out[:, :1], torch.cat(rows)], dim=1)
 
 
 def clipped_surrogate_loss(
