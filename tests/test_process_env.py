@@ -26,7 +26,8 @@ def test_the_stage_defaults_are_the_pipelines_values():
     assert PROCESS_ENV == {
         "DS_ACCELERATOR": "cpu", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_LOGGING_LEVEL": "WARNING",
         "PREFECT_HOME": str(REPO_ROOT / ".prefect"), "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
-        "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false"}
+        "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false",
+        "TORCH_EXTENSIONS_DIR": str(REPO_ROOT / ".torch_extensions")}
     assert LAUNCHER_ENV == {"OMP_NUM_THREADS": "2"}
     assert REPO_ROOT == ROOT
 

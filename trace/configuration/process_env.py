@@ -1,7 +1,8 @@
 """The process environment of the pipeline: one table of defaults for the stages, the tests and ``make``.
 
-``PROCESS_ENV`` holds what every stage process needs: DeepSpeed's accelerator, Prefect kept quiet and its
-state in the repository, telemetry off, Hugging Face offline, tokenizers single-threaded. ``LAUNCHER_ENV``
+``PROCESS_ENV`` holds what every stage process needs: DeepSpeed's accelerator and its compiled ops in the
+repository, Prefect kept quiet and its state in the repository, telemetry off, Hugging Face offline, tokenizers
+single-threaded. ``LAUNCHER_ENV``
 adds the thread count, which only a launcher can set (``make`` and the test session, before any process
 imports torch); a stage started by hand keeps the machine's default. Every value is a default: a variable
 already set is never replaced.
@@ -28,6 +29,9 @@ PROCESS_ENV: dict[str, str] = {
     "HF_HUB_OFFLINE": "1",
     "HF_HUB_DISABLE_TELEMETRY": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    # DeepSpeed's CPU shared-memory op, compiled once per clone (``make venv`` builds it): torch's user-wide cache
+    # names the virtual environment's sources, so another clone's stage would recompile it there (~20-40 s)
+    "TORCH_EXTENSIONS_DIR": str(REPO_ROOT / ".torch_extensions"),
 }
 LAUNCHER_ENV: dict[str, str] = {
     "OMP_NUM_THREADS": "2",
