@@ -19,7 +19,8 @@ INDEX = RUNS / "index.yaml"
 # earlier 75-step run, `make run-grid` (every arm), the predictor run, `make run-tokens` (equal tokens), `trace`'s
 # reliability diagrams with the predictor's forecasts and recalibrated ones; and the real-data presets (that format
 # too, or the earlier per-stage one: warmup_stage, <arm>.eval, <arm>.train_summary)
-ABLATION_REPORTS = ("default", "paper", "long", "all-arms", "predictor", "tokens", "reliability", "recalibrated")
+ABLATION_REPORTS = ("default", "paper", "long", "all-arms", "predictor", "tokens", "reliability", "recalibrated",
+                    "isotonic")
 PRESET_REPORTS = ("hotpotqa", "gsm8k", "bfcl")
 
 

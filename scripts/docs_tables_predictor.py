@@ -1,6 +1,7 @@
 """Docs table of the predictor's calibration: ``trace``'s forecasts as the predictor gives them and as
-``predictor.recalibrate`` maps them, each against Monte-Carlo truth on the unselected sample, from two run reports
-(index keys ``reliability`` and ``recalibrated``) with the same seeds and params but that switch.
+``predictor.recalibrate`` maps them (the Platt map, then the isotonic one), each against Monte-Carlo truth on the
+unselected sample, from three run reports (index keys ``reliability``, ``recalibrated`` and ``isotonic``) with the
+same seeds and params but those switches.
 
 The decisive score is the pooled ECE: the ECE of the reliability diagram pooled over the audited steps (and seeds),
 ``trace.predictor.reliability.diagram_ece``; the mean of per-audit ECEs stands beside it. The two runs pair by
@@ -16,7 +17,8 @@ __all__ = ["CALIBRATION_REPORTS", "calibration_table"]
 
 ARM = "trace"
 # index key -> what the allocator reads in that report
-CALIBRATION_REPORTS = {"reliability": "the predictor's forecasts", "recalibrated": "recalibrated (`predictor.recalibrate`)"}
+CALIBRATION_REPORTS = {"reliability": "the predictor's forecasts", "recalibrated": "Platt map (`predictor.recalibrate`)",
+                       "isotonic": "isotonic map (`recalibrate_map: isotonic`)"}
 AVGK = "eval/accuracy/mean_at_8"
 PLURAL = {"root": "roots", "prefix": "prefixes"}
 
@@ -57,27 +59,30 @@ def calibration_table(ctx: Context) -> str:
                          _pm(audit.get(f"truth/{stage}_ece")), _pm(audit.get(f"truth/{stage}_auc")),
                          _pm(audit.get(f"truth/{stage}_resolution")), _pm(audit.get(f"truth/{stage}_forecast_mean")),
                          _pm(audit.get(f"truth/{stage}_realised_mean"))])
-    (_, own), (_, recal) = entries["reliability"], entries["recalibrated"]
-    diffs = []
-    for stage in ("root", "prefix"):
-        diffs.append(f"pooled ECE, {PLURAL[stage]} "
-                     + _interval(paired_difference(_seeds(recal["pooled_ece_seeds"].get(stage)),
-                                                   _seeds(own["pooled_ece_seeds"].get(stage)))))
-        diffs.append(f"AUC, {PLURAL[stage]} " + _interval(paired_difference(
-            _seeds(recal.get("audit_seeds", {}).get(f"truth/{stage}_auc")),
-            _seeds(own.get("audit_seeds", {}).get(f"truth/{stage}_auc")))))
-    diffs.append("held-out avg@8 " + _interval(paired_difference(
-        {int(s[1:]): v[AVGK] for s, v in recal.items() if s[1:].isdigit() and AVGK in v},
-        {int(s[1:]): v[AVGK] for s, v in own.items() if s[1:].isdigit() and AVGK in v})))
-    ratio = recal.get("flips_vs_random")
+    own = entries["reliability"][1]
     note = ("`trace`'s forecasts on the unselected sample against Monte-Carlo truth, 80 steps, seeds 0-2, audited "
             "every 10 steps. Pooled ECE: the ECE of the reliability diagram pooled over the audits and seeds (per "
             "seed: over that seed's audits); per-audit ECE, AUC, resolution and the means: mean over the audits, "
-            "then over seeds ± 95 % t half-width. Recalibrated minus the predictor's own, paired by seed, mean "
-            "[95 % t-interval]: " + "; ".join(diffs) + ".")
-    if ratio:
-        note += (f" The recalibrated run's stage-2 flips over `tree_random`'s at the same seed: {_num(ratio['mean'], 2)} "
-                 f"[{_num(ratio['low'], 2)}, {_num(ratio['high'], 2)}].")
+            "then over seeds ± 95 % t half-width.")
+    for key in list(CALIBRATION_REPORTS)[1:]:
+        recal = entries[key][1]
+        diffs = []
+        for stage in ("root", "prefix"):
+            diffs.append(f"pooled ECE, {PLURAL[stage]} "
+                         + _interval(paired_difference(_seeds(recal["pooled_ece_seeds"].get(stage)),
+                                                       _seeds(own["pooled_ece_seeds"].get(stage)))))
+            diffs.append(f"AUC, {PLURAL[stage]} " + _interval(paired_difference(
+                _seeds(recal.get("audit_seeds", {}).get(f"truth/{stage}_auc")),
+                _seeds(own.get("audit_seeds", {}).get(f"truth/{stage}_auc")))))
+        diffs.append("held-out avg@8 " + _interval(paired_difference(
+            {int(s[1:]): v[AVGK] for s, v in recal.items() if s[1:].isdigit() and AVGK in v},
+            {int(s[1:]): v[AVGK] for s, v in own.items() if s[1:].isdigit() and AVGK in v})))
+        name = CALIBRATION_REPORTS[key].split(" (")[0]
+        note += f" The {name} minus the predictor's own, paired by seed, mean [95 % t-interval]: " + "; ".join(diffs) + "."
+        ratio = recal.get("flips_vs_random")
+        if ratio:
+            note += (f" Its stage-2 flips over `tree_random`'s at the same seed: {_num(ratio['mean'], 2)} "
+                     f"[{_num(ratio['low'], 2)}, {_num(ratio['high'], 2)}].")
     sources = " ".join(_source(ctx, folder) for folder, _ in entries.values())
     return _table(["forecasts", "stage", "pooled ECE", "per seed", "per-audit ECE", "AUC", "resolution",
                    "forecast mean", "realised mean"], rows, ["---", "---", "---:", "---"] + ["---:"] * 5

@@ -368,18 +368,22 @@ def test_the_calibration_table_pairs_the_recalibrated_run_with_the_predictors_ow
 
     report("own-x", [0.08, 0.10, 0.06], [0.80, 0.84, 0.88], [0.40, 0.42, 0.44])
     report("recal-x", [0.05, 0.06, 0.04], [0.80, 0.84, 0.88], [0.41, 0.42, 0.46])
-    ctx = docs_tables.Context(root=tmp_path, doc=tmp_path / "README.md",
-                              index={"reliability": "own-x", "recalibrated": "recal-x"})
+    report("iso-x", [0.09, 0.12, 0.06], [0.81, 0.85, 0.89], [0.40, 0.42, 0.44])
+    index = {"reliability": "own-x", "recalibrated": "recal-x", "isotonic": "iso-x"}
+    ctx = docs_tables.Context(root=tmp_path, doc=tmp_path / "README.md", index=index)
     text = calibration_table(ctx)
     assert "| the predictor's forecasts | root | 0.070 | s0 0.080, s1 0.100, s2 0.060 | 0.120 ± 0.030 | 0.840 ± 0.000 |" \
         in text
-    # differences -0.03, -0.04, -0.02: mean -0.03, t-interval -0.03 ± 4.303 * 0.01 / sqrt(3)
-    assert "pooled ECE, roots -0.030 [-0.055, -0.005]" in text and "AUC, roots +0.000 [+0.000, +0.000]" in text
-    assert "held-out avg@8 +0.010 [-0.015, +0.035]" in text  # +0.01, 0, +0.02 and "prefixes +0.000" in text
-    assert "recal-x/metrics.json" in text and "own-x/metrics.json" in text
-    ctx = docs_tables.Context(root=tmp_path, doc=tmp_path / "README.md", index={"reliability": "own-x",
-                                                                                  "recalibrated": None})
-    assert "No committed report yet" in calibration_table(ctx)
+    # each map against the predictor's own, in the table's order; differences -0.03, -0.04, -0.02: mean -0.03,
+    # t-interval -0.03 ± 4.303 * 0.01 / sqrt(3)
+    platt, isotonic = text.split("The Platt map minus")[1].split("The isotonic map minus")
+    assert "pooled ECE, roots -0.030 [-0.055, -0.005]" in platt and "AUC, roots +0.000 [+0.000, +0.000]" in platt
+    assert "held-out avg@8 +0.010 [-0.015, +0.035]" in platt  # +0.01, 0, +0.02
+    assert "pooled ECE, roots +0.010 [-0.015, +0.035]" in isotonic and "AUC, roots +0.010 [+0.010, +0.010]" in isotonic
+    assert all(f"{name}/metrics.json" in text for name in index.values())
+    for missing in ("recalibrated", "isotonic"):
+        ctx = docs_tables.Context(root=tmp_path, doc=tmp_path / "README.md", index={**index, missing: None})
+        assert "No committed report yet" in calibration_table(ctx)
 
 
 def test_the_accounting_table_gives_each_arms_steps_and_tokens_per_seed(tmp_path):
