@@ -34,7 +34,7 @@ export PYTHONPATH := $(CURDIR)
 venv: $(STAMP)
 
 # The last python line compiles DeepSpeed's CPU shared-memory op into TORCH_EXTENSIONS_DIR (the process table), so
-# no stage of a run compiles it (the first DeepSpeed stage did: 20-40 s).
+# no stage of a run compiles it (the first DeepSpeed stage did: 20-50 s on 2 cores).
 # --no-compile: Python byte-compiles the modules it imports on first use; pip byte-compiling every file
 # of torch, transformers and the rest took half of the install (165 s against 78 s on 2 cores). That
 # needs bytecode caching on: with PYTHONDONTWRITEBYTECODE set, each of the pipeline's stage processes

@@ -30,7 +30,7 @@ PROCESS_ENV: dict[str, str] = {
     "HF_HUB_DISABLE_TELEMETRY": "1",
     "TOKENIZERS_PARALLELISM": "false",
     # DeepSpeed's CPU shared-memory op, compiled once per clone (``make venv`` builds it): torch's user-wide cache
-    # names the virtual environment's sources, so another clone's stage would recompile it there (~20-40 s)
+    # names the virtual environment's sources, so another clone's stage would recompile it there (20-50 s on 2 cores)
     "TORCH_EXTENSIONS_DIR": str(REPO_ROOT / ".torch_extensions"),
 }
 LAUNCHER_ENV: dict[str, str] = {
