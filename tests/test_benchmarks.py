@@ -285,3 +285,28 @@ def test_heap_reference_equals_the_vectorised_prefix_allocator():
     counts = allocate_prefixes(rewards, probs, 80)
     assert solver_speed.heap_prefix_objective(rewards, probs, 80) == pytest.approx(
         float(prefix_value(rewards, probs, counts).sum()), rel=1e-12)
+
+
+def test_quick_logprob_chunks_report_times_both_ways_and_they_agree_bit_for_bit(tmp_path):
+    from benchmarks import logprob_chunks
+
+    results = logprob_chunks.main(["--quick", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "logprob_chunks.json").read_text())
+    assert report["results"]["same_bits"] is True and report["settings"]["torch_threads"] == 1
+    assert len(results["seconds"]["chunked"]) == len(results["seconds"]["per_sequence"]) == 2
+    assert results["speedup"] == pytest.approx(results["median_seconds"]["per_sequence"]
+                                               / results["median_seconds"]["chunked"])
+
+
+def test_the_per_sequence_reference_is_the_chunked_log_probs_and_a_difference_shows(monkeypatch):
+    import torch
+
+    from benchmarks import logprob_chunks
+    from trace.losses import token_logprobs
+
+    gen = torch.Generator().manual_seed(2)
+    logits, ids = torch.randn(5, 7, 13, generator=gen).to(torch.bfloat16), torch.randint(0, 13, (5, 7), generator=gen)
+    assert torch.equal(logprob_chunks.per_sequence_logprobs(logits, ids), token_logprobs(logits, ids))
+    assert logprob_chunks.same_bits(logits, ids)
+    monkeypatch.setattr(logprob_chunks, "per_sequence_logprobs", lambda x, i: token_logprobs(x, i) * (1 + 2 ** -10))
+    assert not logprob_chunks.same_bits(logits, ids)
