@@ -293,6 +293,10 @@ def test_quick_logprob_chunks_report_times_both_ways_and_they_agree_bit_for_bit(
     results = logprob_chunks.main(["--quick", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "logprob_chunks.json").read_text())
     assert report["results"]["same_bits"] is True and report["settings"]["torch_threads"] == 1
+    assert report["settings"]["processes"] == ["chunked", "per_sequence"]
+    # each process stepped with its own way: the reference's calls counted in the per-sequence one alone
+    calls = report["results"]["per_sequence_calls"]
+    assert calls["chunked"] == [0] and calls["per_sequence"][0] >= 4
     assert len(results["seconds"]["chunked"]) == len(results["seconds"]["per_sequence"]) == 2
     assert results["speedup"] == pytest.approx(results["median_seconds"]["per_sequence"]
                                                / results["median_seconds"]["chunked"])
