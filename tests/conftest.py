@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from trace.configuration.process_env import LAUNCHER_ENV, PROCESS_ENV, apply_process_env
+from trace.configuration.process_env import LAUNCHER_ENV, PROCESS_ENV, apply_process_env, interpreter_env
 
 _TMP = Path(tempfile.mkdtemp(prefix="trace-tests-"))
 for key, value in {
@@ -20,7 +20,7 @@ for key, value in {
     "MLFLOW_TRACKING_URI": f"sqlite:///{_TMP / 'mlflow.db'}",
 }.items():
     os.environ[key] = value
-apply_process_env({**PROCESS_ENV, **LAUNCHER_ENV})
+apply_process_env({**PROCESS_ENV, **LAUNCHER_ENV, **interpreter_env()})
 # policy.dtype / update.bf16 "auto" resolve to float32 on every CPU kind, so no test's numbers depend on whether
 # the CPU has native bf16 (trace/precision.py); TRACE_NATIVE_BF16=1 make test runs them in bf16
 os.environ.setdefault("TRACE_NATIVE_BF16", "0")

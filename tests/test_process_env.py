@@ -26,10 +26,16 @@ def test_the_stage_defaults_are_the_pipelines_values():
     assert PROCESS_ENV == {
         "DS_ACCELERATOR": "cpu", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_LOGGING_LEVEL": "WARNING",
         "PREFECT_HOME": str(REPO_ROOT / ".prefect"), "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
-        "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false",
-        "TORCH_EXTENSIONS_DIR": str(REPO_ROOT / ".torch_extensions")}
+        "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false"}
     assert LAUNCHER_ENV == {"OMP_NUM_THREADS": "2"}
     assert REPO_ROOT == ROOT
+
+
+def test_deepspeeds_ops_are_kept_in_the_running_environment_and_the_stages_and_tests_use_that_folder():
+    from trace.configuration.process_env import interpreter_env
+
+    assert interpreter_env() == {"TORCH_EXTENSIONS_DIR": str(Path(sys.prefix) / "torch_extensions")}
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == interpreter_env()["TORCH_EXTENSIONS_DIR"]  # conftest applied it
 
 
 def test_the_accelerator_switches_to_cuda_only_from_cpu_and_only_with_a_gpu():

@@ -1,8 +1,8 @@
 """The process environment of the pipeline: one table of defaults for the stages, the tests and ``make``.
 
-``PROCESS_ENV`` holds what every stage process needs: DeepSpeed's accelerator and its compiled ops in the
-repository, Prefect kept quiet and its state in the repository, telemetry off, Hugging Face offline, tokenizers
-single-threaded. ``LAUNCHER_ENV``
+``PROCESS_ENV`` holds what every stage process needs: DeepSpeed's accelerator, Prefect kept quiet and its state in
+the repository, telemetry off, Hugging Face offline, tokenizers single-threaded. ``interpreter_env`` adds what
+depends on the running Python: DeepSpeed's compiled ops kept in its virtual environment. ``LAUNCHER_ENV``
 adds the thread count, which only a launcher can set (``make`` and the test session, before any process
 imports torch); a stage started by hand keeps the machine's default. Every value is a default: a variable
 already set is never replaced.
@@ -29,9 +29,6 @@ PROCESS_ENV: dict[str, str] = {
     "HF_HUB_OFFLINE": "1",
     "HF_HUB_DISABLE_TELEMETRY": "1",
     "TOKENIZERS_PARALLELISM": "false",
-    # DeepSpeed's CPU shared-memory op, compiled once per clone (``make venv`` builds it): torch's user-wide cache
-    # names the virtual environment's sources, so another clone's stage would recompile it there (20-50 s on 2 cores)
-    "TORCH_EXTENSIONS_DIR": str(REPO_ROOT / ".torch_extensions"),
 }
 LAUNCHER_ENV: dict[str, str] = {
     "OMP_NUM_THREADS": "2",
@@ -98,10 +95,31 @@ def main_repository(environ: Mapping[str, str] | None = None) -> Path:
     return Path(environ.get("DVC_ROOT") or REPO_ROOT).resolve()
 
 
+def interpreter_env() -> dict[str, str]:
+    """``TORCH_EXTENSIONS_DIR``: ``<sys.prefix>/torch_extensions``, the running virtual environment's folder for the
+    C++ ops DeepSpeed compiles on first use (its CPU shared-memory op).
+
+    torch's default, ``~/.cache/torch_extensions``, is one folder for every environment of the user, and its build
+    files name the environment's source paths: a stage run from another environment recompiles the op there, and
+    the next stage of the first recompiles it back. Keyed to the environment, every clone and queued experiment
+    that runs with it shares one build, which ``build_ops`` (``make venv``) makes once.
+    """
+    return {"TORCH_EXTENSIONS_DIR": str(Path(sys.prefix) / "torch_extensions")}
+
+
+def build_ops() -> None:
+    """Compile DeepSpeed's CPU shared-memory op into ``interpreter_env``'s folder now (``make venv``), so no stage
+    of a run compiles it; an op already built there is only loaded."""
+    apply_process_env({**PROCESS_ENV, **interpreter_env()})
+    from deepspeed.comm.torch import build_shm_op
+
+    build_shm_op()
+
+
 def setup_process_env() -> None:
-    """Set the environment the stages need (``PROCESS_ENV``, then ``select_accelerator``), keeping anything
-    the user already set."""
-    apply_process_env(PROCESS_ENV)
+    """Set the environment the stages need (``PROCESS_ENV`` and ``interpreter_env``, then
+    ``select_accelerator``), keeping anything the user already set."""
+    apply_process_env({**PROCESS_ENV, **interpreter_env()})
     select_accelerator()
 
 
