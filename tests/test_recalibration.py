@@ -269,20 +269,29 @@ def test_a_recalibrated_run_reads_the_mapped_forecasts_and_resumes_with_the_same
 
 
 @pytest.mark.slow
-def test_an_isotonic_run_logs_its_knots_and_resumes_with_the_same_maps(tmp_path):
-    # the real fit (the tiny policy never succeeds: an unfitted identity until a step has items, then a map shrunk
-    # toward the identity); every step logs the knots and the spread, and a resumed run reads the knots back
+def test_an_isotonic_run_logs_its_knots_and_resumes_with_the_same_maps(tmp_path, monkeypatch):
+    # the tiny policy never succeeds, so every real fit is the identity: a fit that reads its input stands in (the
+    # knots x ** (1.5 + the mean forecast it is given)), so the forecasts read back through the earlier maps show
+    import trace.training.recalibration as recalibration
     from tests.test_loop import tiny_trainer
 
+    def fake_fit(pred, successes, trials, shrink=8.0):
+        power = 1.5 + float(np.mean(pred)) if len(pred) else 1.0
+        return IsotonicMap(tuple(x ** power for x in KNOTS), kappa=5.0, num_items=len(pred))
+
+    monkeypatch.setattr(recalibration, "fit_isotonic_map", fake_fit)
     over = {"predictor.recalibrate": True, "predictor.recalibrate_map": "isotonic", "predictor.recalibrate_window": 2,
             "train.checkpoint_every": 2, "train.num_steps": 4}
     whole = tiny_trainer("trace", tmp_path / "whole", over).run()
     knots = [{k: v for k, v in m.items() if k.startswith("recalibration/")} for m in whole]
     assert all(len(k) == 2 * 11 and "recalibration/prefix_knot10" in k for k in knots)
     assert "forecast/root_kappa" in whole[-1] and "forecast/root_alpha" not in whole[-1]
+    assert knots[0]["recalibration/root_knot05"] == 0.5  # no window yet: power 1
+    assert all(k["recalibration/root_knot05"] != 0.5 for k in knots[1:])  # fitted on the window's forecasts
     tiny_trainer("trace", tmp_path / "cut", over).run(until_step=2)
     resumed = tiny_trainer("trace", tmp_path / "cut", over)
     assert resumed.resume() == 2
     again = resumed.run()
+    # the resumed steps read the earlier steps' forecasts back through the logged knots: the same maps
     assert [{k: v for k, v in m.items() if k.startswith("recalibration/")} for m in again] == [
         pytest.approx(k) for k in knots[2:]]
