@@ -4,7 +4,7 @@ unselected sample, from three run reports (index keys ``reliability``, ``recalib
 same seeds and params but those switches.
 
 The decisive score is the pooled ECE: the ECE of the reliability diagram pooled over the audited steps (and seeds),
-``trace.predictor.reliability.diagram_ece``; the mean of per-audit ECEs stands beside it. The two runs pair by
+``trace.predictor.reliability.diagram_ece``; the mean of per-audit ECEs stands beside it. The runs pair by
 seed (same seeds, same warmup, same prompts a step), so each difference is a paired t-interval over seeds
 (``trace.reporting.statistics.paired_difference``)."""
 
@@ -36,8 +36,8 @@ def _interval(iv) -> str:
 
 def calibration_table(ctx: Context) -> str:
     """Per report and stage: pooled ECE (and per seed), the mean per-audit ECE, AUC, resolution, forecast and realised
-    means; then the recalibrated run minus the other, paired by seed, in pooled ECE, AUC, stage-2 flips over random
-    anchors and held-out avg@8."""
+    means; then each recalibrated run minus the predictor's own, paired by seed, in pooled ECE, AUC, stage-2 flips
+    over random anchors and held-out avg@8."""
     entries = {}
     for key in CALIBRATION_REPORTS:
         folder, metrics = ctx.report(key)

@@ -89,9 +89,10 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     under the same temperature, so this is what the PPO ratio compares them with.
 
     Computed in float32 as ``gathered - logsumexp`` over chunks of whole sequences of at most
-    ``LOGPROB_CHUNK_ELEMENTS`` logits (at least one sequence), so a large bf16 (B, T, V) batch never becomes a full
-    float32 copy, and a small one is one chunk: each chunk's gradient is a slice of the logits' gradient, added
-    into a zero (B, T, V) tensor in backward, so one chunk per sequence costs B such tensors.
+    ``LOGPROB_CHUNK_ELEMENTS`` logits (at least one sequence): without grad a large bf16 (B, T, V) batch is never
+    one float32 copy (with grad autograd keeps each chunk's copy for backward, as it kept each sequence's), and a
+    small batch is one chunk. Each chunk's gradient is a slice of the logits' gradient, added into a zero (B, T, V)
+    tensor in backward, so one chunk per sequence would cost B such tensors.
 
     Args:
         logits: (B, T, V) float, the causal LM's output for ``input_ids``.

@@ -345,7 +345,7 @@ class Config(_Section):
 
         Left out: the arms (``train.ablations``: adding one must not invalidate the others), ``train.steps_per_task``
         (orchestration), ``report`` (how results are judged), ``tracking``, ``launch``; ``predictor.truth`` while
-        off (it never changes what an arm trains), ``predictor.recalibrate`` off (and its ``platt`` map),
+        off (it never changes what an arm trains), ``predictor.recalibrate`` off (``recalibrate_map`` while ``platt``),
         ``allocation.oracle_samples`` at its default (only ``trace_oracle`` reads it), the token budget's keys unset.
         """
         data = self.model_dump(mode="json")

@@ -25,7 +25,7 @@ no random numbers and change nothing.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -276,7 +276,7 @@ def anchor_outcomes(trees: Sequence[RolloutTree]) -> tuple[np.ndarray, np.ndarra
 
 
 def integrated_metrics(result: StepResult, previous_trees: Sequence[RolloutTree],
-                       fitted: Mapping[str, ForecastModel] | None = None) -> dict[str, float]:
+                       fitted: Mapping[str, Any] | None = None) -> dict[str, float]:
     """The step's forecasts integrated over the spread of the truth around the prediction.
 
     One ``ForecastModel`` per stage is fitted (``fit_forecast_model``) on ``previous_trees`` (``root_outcomes``,
@@ -286,9 +286,10 @@ def integrated_metrics(result: StepResult, previous_trees: Sequence[RolloutTree]
     Args:
         result: the step (its forecasts, ``root_counts`` and anchors, as ``audit_metrics`` reads them).
         previous_trees: the earlier steps' trees (the predictor's window), never this step's.
-        fitted: ``{"root", "prefix": ForecastModel}`` already fitted on ``previous_trees`` by
-            ``trace.training.recalibration.step_maps`` (``predictor.recalibrate``): the step's forecasts are then
-            recalibrated already, so only the models' spread is applied (mean map the identity); None: fit here.
+        fitted: ``{"root", "prefix": map}`` (a ``ForecastModel`` or an ``IsotonicMap``) already fitted on
+            ``previous_trees`` by ``trace.training.recalibration.step_maps`` (``predictor.recalibrate``): the step's
+            forecasts are then recalibrated already, so only the models' spread is applied (mean map the identity);
+            None: fit here.
 
     Returns:
         The two forecasts (NaN, like ``audit_metrics``' point forecasts, for arms that read no prediction) and

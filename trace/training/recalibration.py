@@ -27,8 +27,8 @@ each item weighted by its outcomes), read at the knots ``p = 0, 0.1, ..., 1`` an
 the identity by ``SHRINK`` items. A logistic map bends the forecasts smoothly; the predictor's truth can have a
 step instead (docs/results.md, "The reliability diagrams"), which only a monotone map follows. The prior
 keeps the knots strictly increasing, so the map is read back exactly (``IsotonicMap.inverse``). Its knots are
-logged as ``recalibration/<stage>_knot<KK>``; the spread ``kappa`` the integrated forecasts read is the
-beta-binomial's around the mapped forecasts.
+logged as ``recalibration/<stage>_knot<KK>``; the spread ``kappa`` the integrated forecasts read is that of the
+beta-binomial fitted on the mapped forecasts (its own mean map close to the identity).
 
 The Monte-Carlo truth audit scores what the allocator reads, so with this on it scores ``q``.
 
@@ -113,14 +113,13 @@ def fit_isotonic_map(pred: Any, successes: Any, trials: Any, shrink: float = SHR
     p = np.asarray(pred, dtype=np.float64).reshape(-1)
     s = np.asarray(successes, dtype=np.float64).reshape(-1)
     n = np.asarray(trials, dtype=np.float64).reshape(-1)
-    spread = fit_forecast_model(p, s, n)  # validates; the identity when too few items or outcomes all alike
-    if spread.num_items == 0 or p.size < MIN_ITEMS:
+    if fit_forecast_model(p, s, n).num_items == 0:  # validates; unfitted: fewer than MIN_ITEMS or all alike
         return IsotonicMap()
     isotonic = IsotonicRegression(y_min=0.0, y_max=1.0, increasing=True, out_of_bounds="clip")
     fitted = isotonic.fit(p, s / n, sample_weight=n).predict(np.array(KNOTS))
     grid = np.array(KNOTS)
     values = (p.size * fitted + shrink * grid) / (p.size + shrink)
-    kappa = fit_forecast_model(np.interp(p, grid, values), s, n).kappa  # the spread around the mapped forecasts
+    kappa = fit_forecast_model(np.interp(p, grid, values), s, n).kappa  # the beta-binomial's, on the mapped ones
     return IsotonicMap(tuple(float(v) for v in values), kappa, int(p.size))
 
 
@@ -192,7 +191,7 @@ def invert(model: ForecastModel | IsotonicMap, mapped: Any) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-z))
 
 
-def raw_outcomes(trees: Sequence[RolloutTree], used: Mapping[int, Mapping[str, ForecastModel]]
+def raw_outcomes(trees: Sequence[RolloutTree], used: Mapping[int, Mapping[str, ForecastModel | IsotonicMap]]
                  ) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Per stage, ``(pred, successes, trials)`` of ``trees`` with each forecast read back through the map of its
     tree's step (``used[tree.step]``; the identity for a step without one); items whose map was flat are left out.
@@ -240,7 +239,7 @@ class RecalibratedSampler:
         maps: ``{"root": F_t, "prefix": F_t}`` (``step_maps``).
     """
 
-    def __init__(self, base: Any, maps: Mapping[str, ForecastModel]) -> None:
+    def __init__(self, base: Any, maps: Mapping[str, ForecastModel | IsotonicMap]) -> None:
         self.base = base
         self.maps = dict(maps)
 
