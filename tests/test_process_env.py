@@ -38,6 +38,13 @@ def test_deepspeeds_ops_are_kept_in_the_running_environment_and_the_stages_and_t
     assert os.environ["TORCH_EXTENSIONS_DIR"] == interpreter_env()["TORCH_EXTENSIONS_DIR"]  # conftest applied it
 
 
+def test_a_read_only_environment_keeps_torchs_own_extension_folder(monkeypatch):
+    from trace.configuration.process_env import interpreter_env
+
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    assert interpreter_env() == {}
+
+
 def test_the_accelerator_switches_to_cuda_only_from_cpu_and_only_with_a_gpu():
     import torch
 

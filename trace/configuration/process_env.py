@@ -102,8 +102,11 @@ def interpreter_env() -> dict[str, str]:
     torch's default, ``~/.cache/torch_extensions``, is one folder for every environment of the user, and its build
     files name the environment's source paths: a stage run from another environment recompiles the op there, and
     the next stage of the first recompiles it back. Keyed to the environment, every clone and queued experiment
-    that runs with it shares one build, which ``build_ops`` (``make venv``) makes once.
+    that runs with it shares one build, which ``build_ops`` (``make venv``) makes once. An environment this process
+    cannot write to (a shared, read-only install) gives nothing: torch's default stays.
     """
+    if not os.access(sys.prefix, os.W_OK):
+        return {}
     return {"TORCH_EXTENSIONS_DIR": str(Path(sys.prefix) / "torch_extensions")}
 
 
