@@ -106,8 +106,6 @@ def fit_isotonic_map(pred: Any, successes: Any, trials: Any, shrink: float = SHR
     """
     from sklearn.isotonic import IsotonicRegression
 
-    from trace.predictor.forecast import MIN_ITEMS
-
     if not shrink > 0:
         raise ValueError(f"shrink={shrink} must be > 0: it keeps the map strictly increasing, so invertible")
     p = np.asarray(pred, dtype=np.float64).reshape(-1)
@@ -115,9 +113,9 @@ def fit_isotonic_map(pred: Any, successes: Any, trials: Any, shrink: float = SHR
     n = np.asarray(trials, dtype=np.float64).reshape(-1)
     if fit_forecast_model(p, s, n).num_items == 0:  # validates; unfitted: fewer than MIN_ITEMS or all alike
         return IsotonicMap()
-    isotonic = IsotonicRegression(y_min=0.0, y_max=1.0, increasing=True, out_of_bounds="clip")
-    fitted = isotonic.fit(p, s / n, sample_weight=n).predict(np.array(KNOTS))
     grid = np.array(KNOTS)
+    isotonic = IsotonicRegression(y_min=0.0, y_max=1.0, increasing=True, out_of_bounds="clip")
+    fitted = isotonic.fit(p, s / n, sample_weight=n).predict(grid)
     values = (p.size * fitted + shrink * grid) / (p.size + shrink)
     kappa = fit_forecast_model(np.interp(p, grid, values), s, n).kappa  # the beta-binomial's, on the mapped ones
     return IsotonicMap(tuple(float(v) for v in values), kappa, int(p.size))
