@@ -106,9 +106,18 @@ def build_environment(cfg):
 
 
 def read_split(split: str):
+    """The prepared prompts of ``split`` (``train``, ``eval``, ``test``) from data/prepared.
+
+    Raises:
+        FileNotFoundError: the split was never prepared (a test split needs ``task.kgqa.num_test > 0``).
+    """
     from trace.prepared import read_prompts
 
-    return read_prompts(PREPARED / f"{split}.jsonl")
+    path = PREPARED / f"{split}.jsonl"
+    if not path.is_file():
+        hint = "set task.kgqa.num_test > 0 and " if split == "test" else ""
+        raise FileNotFoundError(f"{path} does not exist: {hint}run `dvc repro prepare` first")
+    return read_prompts(path)
 
 
 def open_run(cfg, stage: str, params: dict, ablation: str = "", resume: bool = False,

@@ -41,7 +41,7 @@ def evaluate_flow(params: str, ablation: str, seed: int | None = None) -> dict:
     env = build_environment(base)  # the task as prepared: built from the global seed
     cfg = run_config(base, base.seed if seed is None else seed)
     out_dir = run_dir(ablation, cfg.seed)
-    evals = read_split("eval")[: cfg.evaluate.num_prompts]
+    evals = read_split(cfg.evaluate.split)[: cfg.evaluate.num_prompts]
     policy = load_stage_policy(cfg, out_dir / "final")
     with open_run(cfg, "evaluate", stage_params(cfg, "evaluate"), ablation=ablation) as run:
         metrics, trees = evaluate_policy(policy, env, evals, cfg.rollout, seed=cfg.seed,

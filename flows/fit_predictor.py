@@ -23,7 +23,7 @@ def fit_predictor_flow(params: str) -> dict:
     policy = load_stage_policy(cfg, WARMUP_MODEL)
     trees = read_trees(SEED_TREES / "trees.parquet")
     with open_run(cfg, "fit_predictor", stage_params(cfg, "fit_predictor")) as run:
-        predictor, metrics = fit_with_holdout(cfg.predictor, trees, env=env, policy=policy, seed=cfg.seed)
+        predictor, metrics = fit_with_holdout(cfg.predictor, trees, env=env, policy=policy, seed=cfg.warmup_seed)
         predictor.save(PREDICTOR / "predictor.pt")
         run.log_metrics(metrics)
         write_json(METRICS / "fit_predictor.json", metrics)

@@ -1,4 +1,5 @@
-"""Stage ``prepare``: materialise the task's train and eval prompts as JSON lines under data/prepared."""
+"""Stage ``prepare``: materialise the task's train and eval (dev) prompts, and its test prompts where the task
+generates them (``task.kgqa.num_test > 0``), as JSON lines under data/prepared."""
 
 from __future__ import annotations
 
@@ -7,6 +8,12 @@ from collections import Counter
 from prefect import flow
 
 from flows.common import stage_main, PREPARED, build_environment, open_run, stage_params, write_json
+
+
+def prepared_splits(cfg) -> tuple[str, ...]:
+    """The splits the stage writes: train and eval, and test where ``task.kgqa.num_test > 0``."""
+    has_test = cfg.task.name.value == "kgqa" and cfg.task.kgqa.num_test > 0
+    return ("train", "eval", "test") if has_test else ("train", "eval")
 
 
 def task_prompts(cfg, env, split: str):
@@ -30,7 +37,7 @@ def prepare_flow(params: str) -> dict:
     env = build_environment(cfg)
     summary = {}
     with open_run(cfg, "prepare", stage_params(cfg, "prepare")) as run:
-        splits = {split: task_prompts(cfg, env, split) for split in ("train", "eval")}
+        splits = {split: task_prompts(cfg, env, split) for split in prepared_splits(cfg)}
         for split, prompts in splits.items():  # a real task's loader names the file and skipped rows itself
             if not prompts:
                 raise DataError(f"task {cfg.task.name.value!r} gave no {split} prompt; raise its prompt counts "

@@ -19,7 +19,7 @@ def seed_rollouts_flow(params: str) -> dict:
     env = build_environment(cfg)
     train = read_split("train")
     policy = load_stage_policy(cfg, WARMUP_MODEL)
-    prompts = choose_seed_prompts(train, cfg.seed_rollouts.num_prompts, cfg.seed)
+    prompts = choose_seed_prompts(train, cfg.seed_rollouts.num_prompts, cfg.warmup_seed)
     with open_run(cfg, "seed_rollouts", stage_params(cfg, "seed_rollouts")) as run:
         trees = collect_seed_rollouts(policy, env, prompts, cfg)
         write_trees([t.copy_without_state() for t in trees], SEED_TREES / "trees.parquet")

@@ -30,8 +30,8 @@ def warmup_flow(params: str) -> dict:
 
     cfg = load_config(params)
     env = build_environment(cfg)
-    train, evals = read_split("train"), read_split("eval")
-    policy = build_policy(cfg.policy, env, cfg.seed, cfg.task.name.value)
+    train, evals = read_split("train"), read_split(cfg.evaluate.split)
+    policy = build_policy(cfg.policy, env, cfg.warmup_seed, cfg.task.name.value)
     with open_run(cfg, "warmup", stage_params(cfg, "warmup")) as run:
         summary: dict = {"warmup/num_parameters": policy.num_parameters}
         if cfg.warmup.enabled and isinstance(env, Demonstrates):

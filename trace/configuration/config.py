@@ -15,9 +15,8 @@ from typing import Any, Literal, Optional
 
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from trace.allocation.arms import ARMS, DIAGNOSTIC_ARMS, get_arm, root_budget_for
-from trace.allocation.registry import get_root_rule
-from trace.allocation.root import check_root_budget_feasible
+from trace.allocation.arms import ARMS, DIAGNOSTIC_ARMS
+from trace.configuration.config_checks import check_candidate_pool, check_evaluate_split, check_root_budgets
 from trace.configuration.config_allocators import ORACLE_SAMPLES, AllocationConfig, GresoConfig, MoppsConfig, \
     ReinforceAdaConfig, VipConfig  # noqa: F401  (re-exported: allocation and its per-rule sections)
 from trace.configuration.config_tasks import KGQAConfig, SimulatorConfig  # noqa: F401  (re-exported: task.kgqa, task.simulator)
@@ -119,6 +118,8 @@ class WarmupConfig(_Section):
     target_low: float = Field(0.25, ge=0, le=1, description="stop once success >= target_low ...")
     target_high: float = Field(0.6, ge=0, le=1, description="... and keep the best checkpoint <= target_high")
     demo_noise: float = Field(0.0, ge=0, le=1, description="share of demonstrations with a wrong search step")
+    seed: Optional[int] = Field(None, ge=0, description="seed of the warmup, its seed rollouts and the predictor's "
+                                "warm start (a second warmup: another value); None = the global seed")
 
     @model_validator(mode="after")
     def _band(self) -> "WarmupConfig":
@@ -212,6 +213,8 @@ class SeedRolloutConfig(_Section):
 
 class EvaluateConfig(_Section):
     num_prompts: int = Field(200, ge=1, description="held-out prompts")
+    split: Literal["eval", "test"] = Field("eval", description="held-out split the evaluate stage and the warmup's "
+                                           "score read: eval (dev) or test (task.kgqa.num_test; what claims read)")
     pass_k: int = Field(8, ge=1, description="k sampled rollouts per prompt: avg@k (mean@k) and pass@k")
     temperature: float = Field(1.0, gt=0, description="temperature of the sampled rollouts")
 
@@ -297,41 +300,17 @@ class Config(_Section):
         return resolve_params(data)
 
     @model_validator(mode="after")
-    def _check_root_budgets(self) -> "Config":
-        """Every arm in ``train.ablations`` that solves stage 1 can split its root budget (checked at load,
-        not after warmup)."""
-        acfg = self.allocation
-        for ablation in self.train.ablations:
-            spec = get_arm(ablation)
-            floor_fn = get_root_rule(spec.root_rule).floor
-            if floor_fn is None:  # the rule does not solve stage 1
-                continue
-            root_budget = root_budget_for(spec, acfg.trajectory_budget, acfg.expansion_ratio)
-            floor, floor_key, allow_skip = floor_fn(acfg.num_candidates, root_budget, acfg.m_min, acfg.knapsack_m_min)
-            try:
-                check_root_budget_feasible(acfg.num_candidates, root_budget, floor, acfg.m_max,
-                                           allow_skip=allow_skip, m_min_key=floor_key)
-            except ValueError as err:
-                raise ValueError(f"train.ablations has {spec.name}: {err}") from None
+    def _check_across_sections(self) -> "Config":
+        """Rules that read several sections, checked at load (``trace.configuration.config_checks``)."""
+        check_root_budgets(self)
+        check_candidate_pool(self)
+        check_evaluate_split(self)
         return self
 
-    @model_validator(mode="after")
-    def _check_candidate_pool(self) -> "Config":
-        """A step's ``allocation.num_candidates`` distinct prompts fit in the training pool, where the params
-        fix its size (checked at load; the train stage checks the prepared prompts of every task)."""
-        if self.task.name == TaskName.KGQA:
-            key, pool = "task.kgqa.num_train", self.task.kgqa.num_train
-        elif self.task.name == TaskName.SIMULATOR:
-            key, pool = "task.simulator.num_prompts", self.task.simulator.num_prompts
-        elif self.task.files.max_train is not None:
-            key, pool = "task.files.max_train", self.task.files.max_train
-        else:
-            return self
-        if self.allocation.num_candidates > pool:
-            raise ValueError(f"allocation.num_candidates={self.allocation.num_candidates} exceeds {key}={pool} "
-                             "training prompts, and a step's candidates are distinct prompts: lower "
-                             f"allocation.num_candidates or raise {key}")
-        return self
+    @property
+    def warmup_seed(self) -> int:
+        """The seed of the warmup, its seed rollouts and the predictor's warm start: ``warmup.seed``, else ``seed``."""
+        return self.seed if self.warmup.seed is None else self.warmup.seed
 
     def resume_hash(self) -> str:
         """``params_hash`` without the step count and checkpoint cadence: a checkpoint of the same run made with
@@ -346,7 +325,8 @@ class Config(_Section):
         Left out: the arms (``train.ablations``: adding one must not invalidate the others), ``train.steps_per_task``
         (orchestration), ``report`` (how results are judged), ``tracking``, ``launch``; ``predictor.truth`` while
         off (it never changes what an arm trains), ``predictor.recalibrate`` off (``recalibrate_map`` while ``platt``),
-        ``allocation.oracle_samples`` at its default (only ``trace_oracle`` reads it), the token budget's keys unset.
+        ``allocation.oracle_samples`` at its default (only ``trace_oracle`` reads it), the token budget's keys unset,
+        ``warmup.seed`` unset, ``evaluate.split: eval`` and ``task.kgqa.num_test: 0`` (as before they existed).
         """
         data = self.model_dump(mode="json")
         data["train"].pop("ablations", None)
@@ -363,6 +343,11 @@ class Config(_Section):
         for key in ("token_budget", "eval_every_tokens"):  # unset: the hash of a run from before they existed
             if data["train"].get(key) is None:
                 data["train"].pop(key, None)
+        for section, key, unset in (("warmup", "seed", None), ("evaluate", "split", "eval")):  # as before them
+            if data[section][key] == unset:
+                data[section].pop(key)
+        if data["task"]["kgqa"]["num_test"] == 0:
+            data["task"]["kgqa"].pop("num_test")
         if self._shared_seed is not None and self._shared_seed != self.seed:
             data["shared_seed"] = self._shared_seed
         blob = json.dumps(data, sort_keys=True).encode()

@@ -28,7 +28,8 @@ class KGQAConfig(Section):
     num_lookalikes: int = Field(1, ge=1, description="look-alike facts per ambiguous relation on a fact sheet")
     demo_confusion: float = Field(0.0, ge=0, le=1, description="solver follows a look-alike at an ambiguous hop")
     num_train: int = Field(2000, ge=1, description="training questions")
-    num_eval: int = Field(200, ge=1, description="held-out evaluation questions")
+    num_eval: int = Field(200, ge=1, description="held-out evaluation questions (the dev split)")
+    num_test: int = Field(0, ge=0, description="held-out test questions, drawn with the others (0 = no test split)")
 
     @model_validator(mode="after")
     def _hops(self) -> "KGQAConfig":

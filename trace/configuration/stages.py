@@ -37,14 +37,15 @@ _WARMUP_UPDATE_KEYS = ("update.weight_decay", "update.micro_batch_size", "update
 STAGE_PARAMS: dict[str, tuple[str, ...]] = {
     "prepare": ("seed", "task"),
     "warmup": ("seed", "task", "policy", "warmup", "rollout", *_WARMUP_UPDATE_KEYS, "evaluate"),
-    "seed_rollouts": ("seed", "task", "policy", "rollout", "seed_rollouts"),
-    "fit_predictor": ("seed", "task", "policy", "predictor"),
+    "seed_rollouts": ("seed", "task", "policy", "rollout", "seed_rollouts", "warmup.seed"),
+    "fit_predictor": ("seed", "task", "policy", "predictor", "warmup.seed"),
     "train": ("seed", "task", "policy", "rollout", "predictor", "allocation", "advantages", "update",
               "train.num_steps", "train.token_budget", "train.eval_every_tokens", "train.checkpoint_every",
               "train.eval_every", "train.eval_prompts",
               "train.eval_samples", "train.probe_prompts", "train.probe_samples", "evaluate.temperature"),
     "evaluate": ("seed", "task", "policy", "rollout", "evaluate"),
-    "report": ("seed", "train.ablations", "train.seeds", "evaluate.pass_k", "evaluate.num_prompts", "report",
+    "report": ("seed", "train.ablations", "train.seeds", "evaluate.pass_k", "evaluate.num_prompts", "evaluate.split",
+               "report",
                "tracking"),
 }
 

@@ -101,7 +101,7 @@ class KGQAEnvironment:
 
         Raises:
             ValueError: if ``max_turns`` cannot fit the solver's ``max_hops + 1`` turns, or the graph has
-                fewer distinct questions than ``num_train + num_eval``.
+                fewer distinct questions than ``num_train + num_eval + num_test``.
         """
         if max_turns < cfg.max_hops + 1:
             raise ValueError(f"max_turns={max_turns} cannot fit a {cfg.max_hops}-hop question ({cfg.max_hops} "
@@ -116,11 +116,9 @@ class KGQAEnvironment:
         self._relation_idx = {r: i for i, r in enumerate(self.relations)}
         self._object = self._build_graph()  # (N, R) int: object entity, -1 where the fact does not exist
         self._relations_of = [np.flatnonzero(row >= 0) for row in self._object]
-        eval_questions, train_questions = self._split(self._sample_questions())
-        self._prompts = {
-            "eval": [self._make_prompt("eval", i, q) for i, q in enumerate(eval_questions)],
-            "train": [self._make_prompt("train", i, q) for i, q in enumerate(train_questions)],
-        }
+        held_out, train_questions = self._split(self._sample_questions())
+        self._prompts = {split: [self._make_prompt(split, i, q) for i, q in enumerate(questions)]
+                         for split, questions in (*held_out.items(), ("train", train_questions))}
 
     # ---- generation -------------------------------------------------------------------------------
     def _build_graph(self) -> np.ndarray:
@@ -140,16 +138,16 @@ class KGQAEnvironment:
         capacity = {h: cfg.num_entities * cfg.facts_per_entity ** h for h in range(cfg.min_hops, cfg.max_hops + 1)}
         if sum(capacity.values()) < total:
             raise ValueError(
-                f"kgqa asks for num_train + num_eval = {total} questions but the graph has only "
+                f"kgqa asks for num_train + num_eval + num_test = {total} questions but the graph has only "
                 f"{sum(capacity.values())} distinct (start, chain) questions with {cfg.min_hops}..{cfg.max_hops} "
-                "hops; raise kgqa.num_entities or kgqa.facts_per_entity, or lower kgqa.num_train / num_eval")
+                "hops; raise kgqa.num_entities or kgqa.facts_per_entity, or lower kgqa.num_train / num_eval / num_test")
         return _split_evenly(total, capacity)
 
     def _sample_questions(self) -> list[Question]:
         cfg = self.cfg
         rng = np.random.default_rng(stable_seed(self.seed, "kgqa-questions"))
         out: list[Question] = []
-        for hops, quota in self._hop_quotas(cfg.num_train + cfg.num_eval).items():
+        for hops, quota in self._hop_quotas(cfg.num_train + cfg.num_eval + cfg.num_test).items():
             capacity = cfg.num_entities * cfg.facts_per_entity ** hops
             if 2 * quota >= capacity:  # dense: enumerate every walk and draw without replacement
                 walks = [(s, ()) for s in range(cfg.num_entities)]
@@ -173,22 +171,32 @@ class KGQAEnvironment:
                     out.append(question)
         return out
 
-    def _split(self, questions: list[Question]) -> tuple[list[Question], list[Question]]:
-        """Hold out ``num_eval`` questions balanced across hop counts; both splits in a shuffled order."""
+    def _split(self, questions: list[Question]) -> tuple[dict[str, list[Question]], list[Question]]:
+        """Hold out ``num_eval`` (dev) and then ``num_test`` (test) questions, each balanced across hop counts;
+        every split in a shuffled order. With ``num_test = 0`` the draws are those of a task without a test split.
+
+        Returns:
+            ``({"eval": [...], "test": [...]}, train)``; ``"test"`` only when ``num_test > 0``.
+        """
         rng = np.random.default_rng(stable_seed(self.seed, "kgqa-split"))
         by_hops: dict[int, list[Question]] = {}
         for q in questions:
             by_hops.setdefault(len(q[1]), []).append(q)
         eval_quota = _split_evenly(self.cfg.num_eval, {h: len(qs) for h, qs in by_hops.items()})
-        eval_questions: list[Question] = []
+        test_quota = _split_evenly(self.cfg.num_test, {h: len(qs) - eval_quota[h] for h, qs in by_hops.items()})
+        held_out: dict[str, list[Question]] = {"eval": [], "test": []}
         train_questions: list[Question] = []
         for hops in sorted(by_hops):
             group = [by_hops[hops][i] for i in rng.permutation(len(by_hops[hops]))]
-            eval_questions += group[:eval_quota[hops]]
-            train_questions += group[eval_quota[hops]:]
-        eval_questions = [eval_questions[i] for i in rng.permutation(len(eval_questions))]
+            held_out["eval"] += group[:eval_quota[hops]]
+            held_out["test"] += group[eval_quota[hops]:eval_quota[hops] + test_quota[hops]]
+            train_questions += group[eval_quota[hops] + test_quota[hops]:]
+        held_out["eval"] = [held_out["eval"][i] for i in rng.permutation(len(held_out["eval"]))]
         train_questions = [train_questions[i] for i in rng.permutation(len(train_questions))]
-        return eval_questions, train_questions
+        held_out["test"] = [held_out["test"][i] for i in rng.permutation(len(held_out["test"]))]
+        if not held_out["test"]:
+            del held_out["test"]
+        return held_out, train_questions
 
     def _walk(self, start: int, chain: Sequence[int]) -> int:
         node = start
@@ -207,7 +215,7 @@ class KGQAEnvironment:
         for rel in reversed(chain):
             words += [self.relations[rel], "of"]
         words += [self.entities[start], "?"]
-        width = max(5, len(str(max(self.cfg.num_train, self.cfg.num_eval) - 1)))
+        width = max(5, len(str(max(self.cfg.num_train, self.cfg.num_eval, self.cfg.num_test) - 1)))
         return Prompt(
             data_source=DATA_SOURCE,
             example_id=f"{split}-{idx:0{width}d}",
@@ -219,8 +227,9 @@ class KGQAEnvironment:
         )
 
     # ---- data -------------------------------------------------------------------------------------
-    def prompts(self, split: Literal["train", "eval"] = "train") -> list[Prompt]:
-        """The generated questions of ``split`` (train and eval are disjoint (start, chain) pairs).
+    def prompts(self, split: Literal["train", "eval", "test"] = "train") -> list[Prompt]:
+        """The generated questions of ``split``: train, eval (the dev split) and test (``kgqa.num_test > 0``) are
+        disjoint (start, chain) pairs.
 
         Raises:
             ValueError: on an unknown split.

@@ -1,8 +1,8 @@
 """Seed rollouts: the warmed-up policy's trees on a sample of training prompts, the predictor's warm start.
 
-Which prompts (``choose_seed_prompts``) and every rollout of them derive from the run's seed at step ``-1``
-(salts ``seed_prompts``, ``seed``, ``seed_rollouts``, ``seed_branches``), so the stage's trees are a function
-of the params and the warmup policy alone.
+Which prompts (``choose_seed_prompts``) and every rollout of them derive from the warmup's seed
+(``cfg.warmup_seed``: ``warmup.seed``, else ``seed``) at step ``-1`` (salts ``seed_prompts``, ``seed``,
+``seed_rollouts``, ``seed_branches``), so the stage's trees are a function of the params and the warmup policy alone.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def choose_seed_prompts(prompts: Sequence[Prompt], num_prompts: int, seed: int) 
     Args:
         prompts: the training pool (P prompts).
         num_prompts: ``seed_rollouts.num_prompts``; all P when it exceeds the pool.
-        seed: the run's ``seed``; the draw uses ``step_rng(seed, -1, "seed_prompts")``.
+        seed: the warmup's seed (``cfg.warmup_seed``); the draw uses ``step_rng(seed, -1, "seed_prompts")``.
 
     Returns:
         ``min(num_prompts, P)`` distinct prompts in pool order.
@@ -48,7 +48,7 @@ def collect_seed_rollouts(policy, env, prompts: Sequence[Prompt], cfg: Config, *
         policy: ``trace.policy.model.Policy`` after warmup.
         env: the task environment.
         prompts: the prompts to roll out (``choose_seed_prompts``), distinct ``prompt_uid``.
-        cfg: the whole config (``seed_rollouts``, ``rollout``, ``policy.max_context_tokens``, ``seed``).
+        cfg: the whole config (``seed_rollouts``, ``rollout``, ``policy.max_context_tokens``, ``warmup_seed``).
         progress: show a tqdm bar of the bare rollouts.
 
     Returns:
@@ -56,10 +56,10 @@ def collect_seed_rollouts(policy, env, prompts: Sequence[Prompt], cfg: Config, *
         the trees keep their environment states.
     """
     scfg = cfg.seed_rollouts
-    rng = step_rng(cfg.seed, -1, "seed_rollouts")
+    rng = step_rng(cfg.warmup_seed, -1, "seed_rollouts")
     backend = make_rollout_backend(policy, cfg.rollout)
     trees = rollout_roots(policy, env, prompts, [scfg.group_size] * len(prompts),
-                          sampling_spec(cfg.rollout, step_seed(cfg.seed, -1, "seed")), step=-1,
+                          sampling_spec(cfg.rollout, step_seed(cfg.warmup_seed, -1, "seed")), step=-1,
                           ablation="seed", backend=backend, max_context_tokens=cfg.policy.max_context_tokens,
                           progress=progress)
     budgets = split_expansion_budget(np.full(len(trees), scfg.group_size),
@@ -67,6 +67,6 @@ def collect_seed_rollouts(policy, env, prompts: Sequence[Prompt], cfg: Config, *
     plan = plan_expansion(get_arm("tree_random"), trees, None, budgets, rng)
     if plan.counts:
         expand_prefixes(policy, env, trees, plan.counts,
-                        sampling_spec(cfg.rollout, step_seed(cfg.seed, -1, "seed_branches")),
+                        sampling_spec(cfg.rollout, step_seed(cfg.warmup_seed, -1, "seed_branches")),
                         backend=backend, max_context_tokens=cfg.policy.max_context_tokens)
     return trees

@@ -2,8 +2,9 @@
 
 The band ``[warmup.target_low, warmup.target_high]`` of mixed success is where the prompts' groups hold both
 outcomes, so the RL arms start with a learning signal. The SFT batch of step ``s`` is drawn with
-``step_rng(seed, s, "sft")`` and each measurement with ``step_seed(seed, s, "warm")``, so a warmup is a
-function of the params alone. DeepSpeed and torch load only when warmup runs.
+``step_rng(seed, s, "sft")`` and each measurement with ``step_seed(seed, s, "warm")``, where ``seed`` is
+``cfg.warmup_seed`` (``warmup.seed``, else the global ``seed``), so a warmup is a function of the params alone, and
+another ``warmup.seed`` gives a second warmup of the same task. DeepSpeed and torch load only when warmup runs.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def demonstration_trees(policy, env, prompts: Sequence[Prompt], demo_noise: floa
             solver whose retrieved passages never support the answer), and the prompt is skipped.
         prompts: P prompts.
         demo_noise: the solver's noise, passed to ``env.solve``.
-        seed: the run's ``seed``; prompt ``i`` is solved with ``step_seed(seed, i, "demo")``.
+        seed: the warmup's seed (``cfg.warmup_seed``); prompt ``i`` is solved with ``step_seed(seed, i, "demo")``.
 
     Returns:
         Up to P ``RolloutTree``, one ``ROLLOUT`` trajectory each (``trajectory_from_actions``), in prompt order.
@@ -112,7 +113,8 @@ def run_warmup(policy, env, train_prompts: Sequence[Prompt], cfg: Config, *,
         env: an environment with a solver.
         train_prompts: the training prompts; demonstrations of all, success measured on the first
             ``warmup.eval_prompts``.
-        cfg: the whole config (``warmup``, ``update``, ``rollout``, ``policy.max_context_tokens``, ``seed``).
+        cfg: the whole config (``warmup``, ``update``, ``rollout``, ``policy.max_context_tokens``, ``warmup_seed``:
+            ``warmup.seed``, else ``seed``).
         log_metrics: ``fn(metrics, step)`` for ``warmup/sft_loss`` and ``warmup/success``.
         progress: show a tqdm bar.
         on_measure: ``fn(sft_step, sampled_success)`` after each measurement, while ``policy.model`` holds that
@@ -136,8 +138,8 @@ def run_warmup(policy, env, train_prompts: Sequence[Prompt], cfg: Config, *,
     if not wcfg.enabled or wcfg.max_steps == 0:
         result.reason = "warmup disabled"
         return result
-    apply_lora(policy, cfg.update.lora, cfg.seed)  # update.lora: SFT of adapters (saved merged)
-    demos = demonstration_trees(policy, env, train_prompts, wcfg.demo_noise, cfg.seed)
+    apply_lora(policy, cfg.update.lora, cfg.warmup_seed)  # update.lora: SFT of adapters (saved merged)
+    demos = demonstration_trees(policy, env, train_prompts, wcfg.demo_noise, cfg.warmup_seed)
     if not demos:
         raise ValueError(f"warmup: none of the {len(train_prompts)} training prompts has a demonstration (the "
                          "solver found no evidence for any answer); check the retriever and task.files, or set "
@@ -145,14 +147,14 @@ def run_warmup(policy, env, train_prompts: Sequence[Prompt], cfg: Config, *,
     result.num_demonstrations = len(demos)
     updater = PolicyUpdater(policy.model, cfg.update.model_copy(update={"lr": wcfg.lr, "ppo_epochs": 1, "kl_coef": 0.0,
                                                                 "gradient_checkpointing": False}),
-                            seed=cfg.seed, pad_token_id=policy.tokenizer.pad_token_id,
+                            seed=cfg.warmup_seed, pad_token_id=policy.tokenizer.pad_token_id,
                             max_tokens=cfg.policy.max_context_tokens)
     eval_prompts = list(train_prompts[: wcfg.eval_prompts])
     snapshots: list[tuple[int, float, dict]] = []
     middle = 0.5 * (wcfg.target_low + wcfg.target_high)
 
     def measure(step: int) -> float:
-        success = sampled_success(policy, env, eval_prompts, cfg.rollout, seed=step_seed(cfg.seed, step, "warm"),
+        success = sampled_success(policy, env, eval_prompts, cfg.rollout, seed=step_seed(cfg.warmup_seed, step, "warm"),
                                   max_context_tokens=cfg.policy.max_context_tokens)
         result.history.append((step, success))
         snapshots.append((step, success, trainable_snapshot(policy.model)))
@@ -165,7 +167,7 @@ def run_warmup(policy, env, train_prompts: Sequence[Prompt], cfg: Config, *,
     bar = tqdm(total=wcfg.max_steps, desc="warmup SFT", disable=not progress, leave=False)
     step = 0
     while step < wcfg.max_steps:
-        rng = step_rng(cfg.seed, step, "sft")
+        rng = step_rng(cfg.warmup_seed, step, "sft")
         batch = [demos[i] for i in rng.choice(len(demos), size=min(wcfg.batch_size, len(demos)), replace=False)]
         metrics = updater.sft_step(batch)
         step += 1

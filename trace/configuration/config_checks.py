@@ -1,0 +1,73 @@
+"""The rules of ``params.yaml`` that read several sections, run when a ``Config`` is built (its ``after``
+validator), so a bad combination fails at load with the keys to change, not after the warmup.
+
+Each check takes the built ``trace.configuration.config.Config`` and raises ``ValueError`` naming the keys.
+"""
+
+from __future__ import annotations
+
+from trace.allocation.arms import get_arm, root_budget_for
+from trace.allocation.registry import get_root_rule
+from trace.allocation.root import check_root_budget_feasible
+
+
+def check_root_budgets(cfg) -> None:
+    """Every arm in ``train.ablations`` that solves stage 1 can split its root budget.
+
+    Raises:
+        ValueError: naming the arm and the budget keys that make its stage 1 infeasible.
+    """
+    acfg = cfg.allocation
+    for ablation in cfg.train.ablations:
+        spec = get_arm(ablation)
+        floor_fn = get_root_rule(spec.root_rule).floor
+        if floor_fn is None:  # the rule does not solve stage 1
+            continue
+        root_budget = root_budget_for(spec, acfg.trajectory_budget, acfg.expansion_ratio)
+        floor, floor_key, allow_skip = floor_fn(acfg.num_candidates, root_budget, acfg.m_min, acfg.knapsack_m_min)
+        try:
+            check_root_budget_feasible(acfg.num_candidates, root_budget, floor, acfg.m_max,
+                                       allow_skip=allow_skip, m_min_key=floor_key)
+        except ValueError as err:
+            raise ValueError(f"train.ablations has {spec.name}: {err}") from None
+
+
+def check_candidate_pool(cfg) -> None:
+    """A step's ``allocation.num_candidates`` distinct prompts fit in the training pool, where the params fix its
+    size (the train stage checks the prepared prompts of every task).
+
+    Raises:
+        ValueError: naming ``allocation.num_candidates`` and the key that sizes the pool.
+    """
+    if cfg.task.name.value == "kgqa":
+        key, pool = "task.kgqa.num_train", cfg.task.kgqa.num_train
+    elif cfg.task.name.value == "simulator":
+        key, pool = "task.simulator.num_prompts", cfg.task.simulator.num_prompts
+    elif cfg.task.files.max_train is not None:
+        key, pool = "task.files.max_train", cfg.task.files.max_train
+    else:
+        return
+    if cfg.allocation.num_candidates > pool:
+        raise ValueError(f"allocation.num_candidates={cfg.allocation.num_candidates} exceeds {key}={pool} "
+                         "training prompts, and a step's candidates are distinct prompts: lower "
+                         f"allocation.num_candidates or raise {key}")
+
+
+def check_evaluate_split(cfg) -> None:
+    """``evaluate.split: test`` reads a test split the task generates: ``task.kgqa.num_test`` questions, at least
+    ``evaluate.num_prompts`` of them (a held-out claim on fewer questions than asked for would be silent).
+
+    Raises:
+        ValueError: naming ``evaluate.split`` and the key that gives the task its test split.
+    """
+    if cfg.evaluate.split != "test":
+        return
+    if cfg.task.name.value != "kgqa":
+        raise ValueError(f"evaluate.split=test needs a test split, which only task kgqa generates "
+                         f"(task.kgqa.num_test); task {cfg.task.name.value!r} has train and eval only: "
+                         "set evaluate.split=eval")
+    num_test = cfg.task.kgqa.num_test
+    if num_test < cfg.evaluate.num_prompts:
+        raise ValueError(f"evaluate.split=test reads evaluate.num_prompts={cfg.evaluate.num_prompts} questions but "
+                         f"task.kgqa.num_test={num_test}: raise task.kgqa.num_test to at least "
+                         f"{cfg.evaluate.num_prompts} or lower evaluate.num_prompts")
