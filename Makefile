@@ -3,9 +3,9 @@
 #   make test   create .venv, then run the test suite
 #   make run-grid  the same pipeline over every arm (the full grid) as a DVC experiment; with POOL=<work pool>,
 #                  one job per arm and seed on that pool's Prefect workers (flows.grid, docs/scale.md)
-#   make run-paper the accuracy run: the default arms and seeds for PAPER_STEPS RL steps, evaluated on the
-#                  whole held-out set (greedy and avg@PAPER_EVAL_SAMPLES) every PAPER_EVAL_EVERY steps, as one DVC
-#                  experiment (docs/results.md)
+#   make run-paper the accuracy run: the default arms and seeds for PAPER_STEPS RL steps from each of the warmups
+#                  PAPER_WARMUP_SEEDS (one DVC experiment each), scored on a test split of PAPER_TEST_QUESTIONS
+#                  questions and pooled over warmups (docs/results.md)
 #   make run-tokens the paper's question at equal sampling cost: the default arms and seeds, each stopped when it
 #                  has generated TOKEN_BUDGET tokens (grpo's over 160 steps), evaluated at the same token marks
 PYTHON ?= python3.11
@@ -14,10 +14,13 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PORT ?= 4200
 PAPER_STEPS ?= 160
-PAPER_EVAL_EVERY ?= 40
+PAPER_EVAL_EVERY ?= 20
 PAPER_EVAL_SAMPLES ?= 8
 PAPER_EVAL_PROMPTS ?= 200
 PAPER_PROBE_PROMPTS ?= 256
+PAPER_TEST_QUESTIONS ?= 1000
+PAPER_WARMUP_SEEDS ?= 0 1
+PAPER_OUT ?= reports/paper
 # grpo's generated tokens over the 160 steps of make run-paper: 348,558 / 348,969 / 348,730 at seeds 0-2 (the
 # bf16 runs of reports/runs/precision-study-8f9027e, its README; Intel Xeon with AMX), rounded up
 TOKEN_BUDGET ?= 350000
@@ -73,18 +76,25 @@ run-grid: venv
 	  if [ -n "$(POOL)" ]; then PATH=$(CURDIR)/$(BIN):$$PATH exec $(BIN)/python -m flows.grid run --pool "$(POOL)" "$$@"; fi; \
 	  $(dvc_experiment)
 
-# The accuracy run: the default arms x train.seeds for PAPER_STEPS steps instead of train.num_steps, evaluated
-# in training on PAPER_EVAL_PROMPTS held-out questions (200: all of task.kgqa.num_eval) every PAPER_EVAL_EVERY steps,
-# greedy and avg@k of PAPER_EVAL_SAMPLES sampled rollouts each on fixed seeds (train.eval_samples), and
-# checkpointed as often (a killed run resumes there), with the probe of PAPER_PROBE_PROMPTS training prompts at
-# each evaluation (train.probe_prompts: the gain over the warmup policy, free of the per-step prompt draw); the
-# shared stages (warmup included) come from the cache when unchanged. Its report is the README's accuracy table
-# (docs/results.md, "make run-paper").
+# The accuracy run: one DVC experiment per warmup seed of PAPER_WARMUP_SEEDS (warmup.seed: its own warmup, seed
+# rollouts and predictor warm start), each the default arms x train.seeds for PAPER_STEPS steps instead of
+# train.num_steps, evaluated in training on PAPER_EVAL_PROMPTS dev questions (200: all of task.kgqa.num_eval) every
+# PAPER_EVAL_EVERY steps, greedy and avg@k of PAPER_EVAL_SAMPLES sampled rollouts each on fixed seeds
+# (train.eval_samples), and checkpointed as often (a killed run resumes there), with the probe of
+# PAPER_PROBE_PROMPTS training prompts at each evaluation (train.probe_prompts). The final evaluation (and the
+# warmup's) reads the test split of PAPER_TEST_QUESTIONS questions (task.kgqa.num_test, evaluate.split=test), which
+# nothing was tuned on. Each experiment's results are copied to PAPER_OUT/w<seed>, then pooled there: the
+# comparisons paired within each warmup, and how much the warmup moves them (scripts.warmup_study;
+# docs/results.md, "make run-paper").
 run-paper: venv
-	@set -- -S train.num_steps=$(PAPER_STEPS) -S train.eval_every=$(PAPER_EVAL_EVERY) \
-	  -S train.checkpoint_every=$(PAPER_EVAL_EVERY) -S train.eval_prompts=$(PAPER_EVAL_PROMPTS) \
-	  -S train.eval_samples=$(PAPER_EVAL_SAMPLES) \
-	  -S train.probe_prompts=$(PAPER_PROBE_PROMPTS) && $(dvc_experiment)
+	@for w in $(PAPER_WARMUP_SEEDS); do \
+	  set -- -S warmup.seed=$$w -S task.kgqa.num_test=$(PAPER_TEST_QUESTIONS) -S evaluate.split=test \
+	  -S evaluate.num_prompts=$(PAPER_TEST_QUESTIONS) -S train.num_steps=$(PAPER_STEPS) \
+	  -S train.eval_every=$(PAPER_EVAL_EVERY) -S train.checkpoint_every=$(PAPER_EVAL_EVERY) \
+	  -S train.eval_prompts=$(PAPER_EVAL_PROMPTS) -S train.eval_samples=$(PAPER_EVAL_SAMPLES) \
+	  -S train.probe_prompts=$(PAPER_PROBE_PROMPTS) && ( $(dvc_experiment) ) || exit 1; \
+	  $(BIN)/python -m scripts.warmup_study collect --warmup-seed $$w --out $(PAPER_OUT) || exit 1; \
+	done; $(BIN)/python -m scripts.warmup_study pool --out $(PAPER_OUT)
 
 # The accuracy run at equal tokens instead of equal steps: every arm of train.ablations x train.seeds stops after the
 # step at which it has generated TOKEN_BUDGET tokens (train.token_budget; at most TOKENS_MAX_STEPS steps), evaluated

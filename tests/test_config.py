@@ -117,3 +117,29 @@ def test_every_committed_params_file_reads_strictly(path):
     import yaml
 
     assert read_params_file(path) == yaml.safe_load(path.read_text())
+
+
+def test_the_test_split_and_warmup_seed_keys_at_their_defaults_keep_the_params_hash():
+    # runs from before evaluate.split, task.kgqa.num_test and warmup.seed existed keep their hash
+    fixed = {"policy": {"dtype": "float32"}, "update": {"bf16": False}}  # not the CPU's precision
+    base = config_from_dict(fixed)
+    same = config_from_dict({**fixed, "evaluate": {"split": "eval"}, "task": {"kgqa": {"num_test": 0}},
+                             "warmup": {"seed": None}})
+    assert base.params_hash() == same.params_hash() == "1d1ea06a8418"  # these params' hash before the keys
+    for changed in ({"warmup": {"seed": 1}}, {"task": {"kgqa": {"num_test": 300}}},
+                    {"task": {"kgqa": {"num_test": 300}}, "evaluate": {"split": "test"}}):
+        assert config_from_dict({**fixed, **changed}).params_hash() != base.params_hash(), changed
+
+
+def test_warmup_seed_is_the_global_seed_unless_set():
+    assert config_from_dict({"seed": 3}).warmup_seed == 3
+    assert config_from_dict({"seed": 3, "warmup": {"seed": 1}}).warmup_seed == 1
+
+
+def test_evaluating_on_a_test_split_needs_one_big_enough():
+    with pytest.raises(ConfigError, match=r"task.kgqa.num_test=0: raise task.kgqa.num_test to at least 200"):
+        config_from_dict({"evaluate": {"split": "test"}})
+    with pytest.raises(ConfigError, match=r"evaluate.split=test needs a test split.*task 'simulator'"):
+        config_from_dict({"evaluate": {"split": "test"}, "task": {"name": "simulator"}})
+    cfg = config_from_dict({"evaluate": {"split": "test", "num_prompts": 300}, "task": {"kgqa": {"num_test": 300}}})
+    assert cfg.evaluate.split == "test"

@@ -263,3 +263,33 @@ def test_a_confused_solver_errs_only_on_ambiguous_questions_and_at_the_configure
 def test_more_ambiguous_relations_than_relations_is_refused():
     with pytest.raises(ValueError, match="ambiguous_relations"):
         KGQAConfig(num_relations=3, facts_per_entity=2, ambiguous_relations=4)
+
+
+def test_a_test_split_is_held_out_balanced_and_disjoint_from_train_and_eval():
+    env = KGQAEnvironment(CFG.model_copy(update={"num_test": 90}), seed=7, max_turns=5)
+    train, evals, tests = env.prompts("train"), env.prompts("eval"), env.prompts("test")
+    assert (len(train), len(evals), len(tests)) == (300, 60, 90)
+    key = lambda p: (p.meta["start"], tuple(p.meta["relations"]))  # noqa: E731
+    assert len({key(p) for p in train + evals + tests}) == 450  # three disjoint splits
+    assert Counter(p.meta["num_hops"] for p in tests) == {1: 30, 2: 30, 3: 30}
+    assert Counter(p.meta["num_hops"] for p in evals) == {1: 20, 2: 20, 3: 20}
+    assert tests[5].example_id == "test-00005"
+    assert len({p.prompt_uid for p in train + evals + tests}) == 450
+
+
+def test_no_test_split_leaves_the_default_task_as_it_was():
+    # params.yaml's questions as generated before task.kgqa.num_test existed: the committed runs rest on them
+    from pathlib import Path
+
+    from trace.configuration.params_file import load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "params.yaml")
+    assert cfg.task.kgqa.num_test == 0
+    env = KGQAEnvironment(cfg.task.kgqa, seed=cfg.seed, max_turns=cfg.task.max_turns)
+    train, evals = env.prompts("train"), env.prompts("eval")
+    assert (len(train), len(evals)) == (8000, 200)
+    assert (train[0].question, train[-1].question, evals[0].question, evals[-1].question) == (
+        "question : r4 of e34 ?", "question : r0 of r5 of r2 of e128 ?", "question : r3 of r4 of e10 ?",
+        "question : r5 of e95 ?")
+    with pytest.raises(ValueError, match="unknown split 'test'"):
+        env.prompts("test")

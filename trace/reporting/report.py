@@ -145,7 +145,7 @@ def mlflow_links(results: dict, base_url: str, view_key: str | None = None) -> d
             "compare": compare_url(base_url, experiment_id, run_ids)}
 
 
-def _column_values(res: dict, pass_k: int) -> dict[str, float]:
+def column_values(res: dict, pass_k: int) -> dict[str, float]:
     """One run's value of every table column (NaN where the run lacks it)."""
     nan = float("nan")
     e, s = res.get("eval", {}), res["summary"]
@@ -187,7 +187,7 @@ def _warmup_gain(by_seed: Mapping[int, dict], warmup: Mapping[str, float], warmu
     boot = bootstrap_gain(by_seed, warmup_questions, confidence, measure)
     if boot is not None:
         return boot
-    values = [_column_values(res, pass_k)[column] - base for res in by_seed.values() if "eval" in res]
+    values = [column_values(res, pass_k)[column] - base for res in by_seed.values() if "eval" in res]
     return mean_interval(values, confidence) if values else None
 
 
@@ -268,7 +268,7 @@ def arm_statistics(results: dict, pass_k: int, confidence: float = CONFIDENCE,
     References:
         docs/method.md, "Statistics over seeds".
     """
-    per_seed = {abl: {seed: _column_values(res, pass_k) for seed, res in by_seed.items()}
+    per_seed = {abl: {seed: column_values(res, pass_k) for seed, res in by_seed.items()}
                 for abl, by_seed in results.items()}
     targets = crossing_targets(results, pass_k, warmup, target_accuracy)
     arms: dict = {}
