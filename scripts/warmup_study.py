@@ -6,7 +6,8 @@ experiment, copies what the report needs into ``<out>/w<warmup seed>/``: ``resul
 MLflow results with the per-question held-out results, the warmup's metrics and per-question results, the params
 that define the study, the commit) beside that experiment's own ``summary.md`` and ``metrics.json``.
 
-``pool`` reads every ``<out>/w*/results.json`` and writes ``<out>/summary.md`` and ``<out>/study.json``:
+``pool`` reads every ``<out>/w*/results.json`` and writes ``<out>/summary.md``, ``<out>/study.json`` and
+``<out>/metrics.json`` (the pooled tables in the report's ``reports/metrics.json`` format):
 
 - the report of the pooled study: each (warmup, training seed) pair is a unit, so every comparison with ``grpo``
   is paired within a unit (same warmup, same seed, same questions), with the report's rule, families, margin
@@ -172,6 +173,8 @@ def pool(out: Path) -> dict:
                                            "warmup_share": _clean(c.warmup_share), "f": _clean(c.f), "p": _clean(c.p)}
                                      for arm, c in components.items()}}
     write_json(out / "study.json", payload)
+    # the report's own format, so the docs tables of a run report (scripts.docs_tables) read the pooled study
+    write_json(out / "metrics.json", {"warmup": {}, "ablations": table, "design": payload["design"]})
     return payload
 
 

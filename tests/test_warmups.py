@@ -24,6 +24,10 @@ def test_warmup_components_unbalanced_and_without_a_warmup_effect():
     c = warmup_components({0: [0.0, 2.0], 1: [-1.0, 3.0, 0.0, 2.0]})
     assert c.ms_between == pytest.approx(0.0) and c.var_warmup == 0.0 and c.warmup_share == 0.0
     assert c.p == pytest.approx(1.0)
+    # means 1 and 4, grand 3: MS between = 2*4 + 4*1 = 12, MS within = 4/4 = 1, n0 = 6 - 20/6 = 8/3
+    c = warmup_components({0: [0.0, 2.0], 1: [3.0, 5.0, 4.0, 4.0]})
+    assert (c.ms_between, c.ms_within) == pytest.approx((12.0, 1.0))
+    assert c.var_warmup == pytest.approx(11 / (8 / 3))
 
 
 def test_warmup_components_recovers_a_simulated_warmup_variance():
@@ -80,6 +84,7 @@ def test_the_study_pools_warmups_into_one_report_and_splits_the_warmup_effect(tm
     payload = pool(tmp_path)
     assert [u["warmup_seed"] for u in payload["units"]] == [0, 0, 0, 1, 1, 1]
     assert payload["ablations"]["trace"]["vs_grpo"]["eval mean@k"]["n"] == 6  # paired over the six units
+    assert json.loads((tmp_path / "metrics.json").read_text())["ablations"] == payload["ablations"]
     comp = payload["warmup_components"]["trace"]
     assert comp["means"]["1"] - comp["means"]["0"] == pytest.approx(0.2, abs=0.08)
     assert comp["warmup_share"] > 0.5 and comp["p"] < 0.05
