@@ -105,3 +105,23 @@ def test_the_study_refuses_warmups_of_different_studies(tmp_path):
         load_warmups(tmp_path)
     with pytest.raises(FileNotFoundError, match="no .*w\\*/results.json"):
         load_warmups(tmp_path / "empty")
+
+
+def test_the_docs_table_reads_the_pooled_study(tmp_path):
+    from pathlib import Path
+
+    from scripts.docs_tables_common import Context
+    from scripts.docs_tables_warmups import warmups_table
+
+    folder = tmp_path / "reports" / "runs" / "paper-x"
+    folder.mkdir(parents=True)
+    test_the_study_pools_warmups_into_one_report_and_splits_the_warmup_effect(folder)
+    study = json.loads((folder / "study.json").read_text())
+    text = warmups_table(Context(root=tmp_path, doc=tmp_path / "README.md", index={"paper-warmups": "paper-x"}))
+    assert "| 1 | 950 | 0.300 | 0.300 |" in text
+    c = study["warmup_components"]["trace"]
+    assert f"| {math.sqrt(c['var_warmup']):.3f} | {math.sqrt(c['var_seed']):.3f} | {c['warmup_share']:.2f} |" in text
+    w1 = study["warmups"]["1"]["arms"]["trace"]["vs_grpo"]["eval mean@k"]
+    assert f"{w1['mean']:+.3f} [{w1['low']:+.3f}, {w1['high']:+.3f}]" in text
+    assert "No committed report yet" in warmups_table(Context(root=tmp_path, doc=Path("README.md"),
+                                                              index={"paper-warmups": None}))
