@@ -4,8 +4,8 @@
 #   make run-grid  the same pipeline over every arm (the full grid) as a DVC experiment; with POOL=<work pool>,
 #                  one job per arm and seed on that pool's Prefect workers (flows.grid, docs/scale.md)
 #   make run-paper the accuracy run: the default arms and seeds for PAPER_STEPS RL steps from each of the warmups
-#                  PAPER_WARMUP_SEEDS (one DVC experiment each), scored on a test split of PAPER_TEST_QUESTIONS
-#                  questions and pooled over warmups (docs/results.md)
+#                  PAPER_WARMUP_SEEDS (one DVC experiment each, side by side), scored on a test split of
+#                  PAPER_TEST_QUESTIONS questions and pooled over warmups (docs/results.md)
 #   make run-tokens the paper's question at equal sampling cost: the default arms and seeds, each stopped when it
 #                  has generated TOKEN_BUDGET tokens (grpo's over 160 steps), evaluated at the same token marks
 PYTHON ?= python3.11
@@ -83,18 +83,16 @@ run-grid: venv
 # (train.eval_samples), and checkpointed as often (a killed run resumes there), with the probe of
 # PAPER_PROBE_PROMPTS training prompts at each evaluation (train.probe_prompts). The final evaluation (and the
 # warmup's) reads the test split of PAPER_TEST_QUESTIONS questions (task.kgqa.num_test, evaluate.split=test), which
-# nothing was tuned on. Each experiment's results are copied to PAPER_OUT/w<seed>, then pooled there: the
-# comparisons paired within each warmup, and how much the warmup moves them (scripts.warmup_study;
-# docs/results.md, "make run-paper").
+# nothing was tuned on. The experiments run PAPER_JOBS at a time (default: one per core), each in its own clone
+# of the committed HEAD under .paper/, then are pooled into PAPER_OUT: the comparisons paired within each warmup,
+# and how much the warmup moves them (scripts.run_paper, scripts.warmup_study; docs/experiments.md).
 run-paper: venv
-	@for w in $(PAPER_WARMUP_SEEDS); do \
-	  set -- -S warmup.seed=$$w -S task.kgqa.num_test=$(PAPER_TEST_QUESTIONS) -S evaluate.split=test \
+	$(BIN)/python -m scripts.run_paper --warmup-seeds $(PAPER_WARMUP_SEEDS) --port $(PORT) --out $(PAPER_OUT) \
+	  $(if $(PAPER_JOBS),--jobs $(PAPER_JOBS)) -- -S task.kgqa.num_test=$(PAPER_TEST_QUESTIONS) -S evaluate.split=test \
 	  -S evaluate.num_prompts=$(PAPER_TEST_QUESTIONS) -S train.num_steps=$(PAPER_STEPS) \
 	  -S train.eval_every=$(PAPER_EVAL_EVERY) -S train.checkpoint_every=$(PAPER_EVAL_EVERY) \
 	  -S train.eval_prompts=$(PAPER_EVAL_PROMPTS) -S train.eval_samples=$(PAPER_EVAL_SAMPLES) \
-	  -S train.probe_prompts=$(PAPER_PROBE_PROMPTS) && ( $(dvc_experiment) ) || exit 1; \
-	  $(BIN)/python -m scripts.warmup_study collect --warmup-seed $$w --out $(PAPER_OUT) || exit 1; \
-	done; $(BIN)/python -m scripts.warmup_study pool --out $(PAPER_OUT)
+	  -S train.probe_prompts=$(PAPER_PROBE_PROMPTS)
 
 # The accuracy run at equal tokens instead of equal steps: every arm of train.ablations x train.seeds stops after the
 # step at which it has generated TOKEN_BUDGET tokens (train.token_budget; at most TOKENS_MAX_STEPS steps), evaluated
