@@ -85,7 +85,8 @@ def report_flow(params: str) -> dict:
         table = metrics_table(results, cfg.evaluate.pass_k, warmup=warmup, warmup_questions=warmup_questions,
                               margin=cfg.report.margin, target_accuracy=cfg.report.target_accuracy)
         write_json(REPORTS / "metrics.json", {"warmup": warmup, "ablations": table,
-                                              "design": design(cfg.report.margin, cfg.evaluate.num_prompts)})
+                                              "design": design(cfg.report.margin, cfg.evaluate.num_prompts,
+                                                              cfg.evaluate.split)})
         # the report in the MLflow UI: summary.md renders as Markdown in the run's artifacts tab
         for path in (REPORTS / "summary.md", REPORTS / "metrics.json", REPORTS / "arms.json", *plots, *curves):
             run.log_artifact(path)

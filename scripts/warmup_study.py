@@ -4,7 +4,8 @@ Each warmup seed (``warmup.seed``) is one DVC experiment of the same params: its
 predictor warm start, then every arm at the same training seeds. ``collect``, run in the workspace right after an
 experiment, copies what the report needs into ``<out>/w<warmup seed>/``: ``results.json`` (each arm's and seed's
 MLflow results with the per-question held-out results, the warmup's metrics and per-question results, the params
-that define the study, the commit) beside that experiment's own ``summary.md`` and ``metrics.json``.
+that define the study, the commits the train runs ran at) beside that experiment's own ``summary.md`` and
+``metrics.json``.
 
 ``pool`` reads every ``<out>/w*/results.json`` and writes ``<out>/summary.md``, ``<out>/study.json`` and
 ``<out>/metrics.json`` (the pooled tables in the report's ``reports/metrics.json`` format):
@@ -28,7 +29,6 @@ import argparse
 import json
 import math
 import shutil
-import subprocess
 from pathlib import Path
 
 from flows.common import METRICS, REPORTS, eval_path, write_json
@@ -51,9 +51,16 @@ def _lookup(cfg, key: str):
     return list(value) if isinstance(value, tuple) else value
 
 
-def _commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return out.stdout.strip() if out.returncode == 0 else "unknown"
+def _run_commits(cfg, results: dict) -> str:
+    """The commits the train runs ran at (their ``git.commit`` tags), short, comma-separated."""
+    from mlflow.tracking import MlflowClient
+
+    from trace.tracking.experiment import resolve_tracking_uri
+
+    client = MlflowClient(resolve_tracking_uri(cfg.tracking.tracking_uri))
+    tags = {client.get_run(res["run_id"]).data.tags.get("git.commit", "unknown")[:7]
+            for by_seed in results.values() for res in by_seed.values()}
+    return ", ".join(sorted(tags))
 
 
 def collect(params: str, warmup_seed: int, out: Path) -> Path:
@@ -81,7 +88,7 @@ def collect(params: str, warmup_seed: int, out: Path) -> Path:
     target = out / f"w{warmup_seed}"
     target.mkdir(parents=True, exist_ok=True)
     write_json(target / "results.json", {
-        "warmup_seed": warmup_seed, "commit": _commit(), "study": {k: _lookup(cfg, k) for k in STUDY_KEYS},
+        "warmup_seed": warmup_seed, "commit": _run_commits(cfg, results), "study": {k: _lookup(cfg, k) for k in STUDY_KEYS},
         "warmup": warmup, "warmup_questions": warmup_questions,
         "results": {arm: {str(s): res for s, res in by_seed.items()} for arm, by_seed in results.items()}})
     for name in ("summary.md", "metrics.json"):
@@ -163,7 +170,7 @@ def pool(out: Path) -> dict:
              rest, "", *_warmup_lines(warmups, per_warmup, components, units)]
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     payload = {"study": study, "units": units, "ablations": table,
-               "design": design(margin, study["evaluate.num_prompts"]),
+               "design": design(margin, study["evaluate.num_prompts"], study["evaluate.split"]),
                "warmups": {str(w): {"commit": p["commit"], "warmup": p["warmup"], "arms": {
                    arm: {versus: {c: _json(iv) for c, iv in cells.items()} for versus, cells in by.items()}
                    for arm, by in p["arms"].items()}} for w, p in per_warmup.items()},

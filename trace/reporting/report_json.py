@@ -36,10 +36,11 @@ def _json_crossings(crossings: TargetCrossings | None, target: dict) -> dict:
             "censored": {f"s{s}": _clean(v) for s, v in crossings.censored.items()}, "median": _clean(crossings.median)}
 
 
-def design(margin: float, num_questions: int | None) -> dict:
-    """``reports/metrics.json``'s ``design``: the families, their level, the margin and the power asked, so a
-    table rebuilt from the file (``scripts.docs_tables_runs``) states the same rule."""
-    return {"alpha": ALPHA, "power": POWER, "margin": margin, "num_questions": num_questions,
+def design(margin: float, num_questions: int | None, split: str = "eval") -> dict:
+    """``reports/metrics.json``'s ``design``: the families, their level, the margin and the power asked, and the
+    held-out questions the claims read (``evaluate.num_prompts`` of ``evaluate.split``: ``eval`` is the dev split),
+    so a table rebuilt from the file (``scripts.docs_tables_runs``) states the same rule."""
+    return {"alpha": ALPHA, "power": POWER, "margin": margin, "num_questions": num_questions, "split": split,
             "families": [{"name": name, "versus": versus, "columns": list(columns)} for name, versus, columns in FAMILIES]}
 
 
