@@ -36,7 +36,7 @@ def warmups_table(ctx: Context) -> str:
     k = study["study"]["evaluate.pass_k"]
     start = _table(["warmup seed", "SFT step kept", "held-out greedy", f"held-out avg@{k}"],
                    [[w, str(p["warmup"].get("warmup/chosen_step", "n/a")), _num(p["warmup"].get("accuracy/greedy")),
-                     _num(p["warmup"].get(f"accuracy/mean_at_{k}"))] for w, p in warmups.items()])
+                     _num(p["warmup"].get(f"accuracy/mean@{k}", p["warmup"].get(f"accuracy/mean_at_{k}")))] for w, p in warmups.items()])
     arms = [a for a in study["warmup_components"]]
     rows = []
     for arm in arms:

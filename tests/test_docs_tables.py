@@ -26,13 +26,14 @@ def test_the_readme_and_docs_hold_the_results_tables():
     """The front door shows the default and learning runs, every arm, the presets and the benchmarks; docs/ the rest
     (the paired tables among it)."""
     readme = (REPO / "README.md").read_text()
-    for name in ("default-arms", "paper-gain-avgk", "all-arms-overview",
+    for name in ("default-arms", "paper-warmups-primary", "all-arms-overview",
                  "presets", "benchmarks"):
         assert f"<!-- table:{name} -->" in readme, name
     results = (REPO / "docs" / "results.md").read_text()
     for name in ("default-arms-full", "default-vs-grpo-full", "paper-regime", "paper-gain-avgk", "paper-arms-full",
                  "paper-vs-grpo-full", "paper-tokens-to-target-avgk", "paper-tokens-to-target", "paper-audit",
-                 "long-arms-full", "long-vs-grpo-full",
+                 "long-arms-full", "long-vs-grpo-full", "paper-warmups-primary", "paper-warmups-components",
+                 "paper-w0-gain-avgk", "paper-w1-tokens-to-target-avgk",
                  "long-audit", "preset-hotpotqa",
                  "preset-gsm8k", "preset-bfcl"):
         assert f"<!-- table:{name} -->" in results, name
