@@ -158,7 +158,8 @@ def pool(out: Path) -> dict:
             value = column_values(pooled[arm][u["unit"]], pass_k)[PRIMARY] - \
                 column_values(pooled[BASELINE][u["unit"]], pass_k)[PRIMARY]
             diffs.setdefault(u["warmup_seed"], []).append(value)
-        components[arm] = warmup_components(diffs)
+        if len(units) > len(warmups):  # one seed per warmup: no seed variance to split against
+            components[arm] = warmup_components(diffs)
     pooled_text = render_markdown(pooled, {}, pass_k, num_eval=study["evaluate.num_prompts"], margin=margin,
                                   target_accuracy=target).rstrip()
     mapping = ", ".join(f"{u['unit']} = w{u['warmup_seed']} s{u['seed']}" for u in units)

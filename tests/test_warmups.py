@@ -93,6 +93,21 @@ def test_the_study_pools_warmups_into_one_report_and_splits_the_warmup_effect(tm
     assert not math.isnan(payload["warmups"]["1"]["arms"]["trace"]["vs_grpo"]["eval mean@k"]["mean"])
 
 
+def test_a_study_of_one_seed_per_warmup_pools_without_the_split(tmp_path):
+    from scripts.warmup_study import STUDY_KEYS, pool
+
+    rng = np.random.default_rng(2)
+    study = {k: None for k in STUDY_KEYS} | {"evaluate.pass_k": 4, "report.margin": 0.02, "evaluate.num_prompts": 40}
+    for w in (0, 1):
+        (tmp_path / f"w{w}").mkdir()
+        (tmp_path / f"w{w}" / "results.json").write_text(json.dumps({
+            "warmup_seed": w, "commit": "abc1234", "study": study, "warmup": {"accuracy/greedy": 0.3},
+            "warmup_questions": None, "results": {a: {"0": _result(rng, 0.4)} for a in ("grpo", "trace")}}))
+    payload = pool(tmp_path)
+    assert payload["ablations"]["trace"]["vs_grpo"]["eval mean@k"]["n"] == 2 and payload["warmup_components"] == {}
+    assert "## Warmups" in (tmp_path / "summary.md").read_text()
+
+
 def test_the_study_refuses_warmups_of_different_studies(tmp_path):
     from scripts.warmup_study import STUDY_KEYS, load_warmups
 
