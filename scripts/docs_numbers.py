@@ -5,8 +5,7 @@ generated tables are rewritten from them by ``scripts.docs_tables``, and a figur
 table must be one of them too. ``unsourced_numbers`` lists every decimal with 3 or 4 places (the precision of
 a result: 0.538, +0.162, 0.8996) in the prose of ``README.md`` and ``docs/*.md`` (outside generated tables and
 code blocks) that is neither in a generated table of the same document nor, rounded to 2-4 places, in a
-committed report (a value of its JSON files but the raw ``results.json`` of a pooled study, or a number of its
-Markdown). ``docs/method.md`` is left out: its
+committed report (a value of its JSON files, or a number of its Markdown). ``docs/method.md`` is left out: its
 numbers are the formulas' hand-worked test vectors, which the unit tests check.
 
 Usage: ``python -m scripts.docs_numbers`` prints each unsourced number with its document and exits 1 if any.
@@ -43,11 +42,6 @@ def json_numbers(node: Any) -> Iterable[float]:
         yield float(node)
 
 
-# the per-question results and metric histories a study pools (scripts.warmup_study collect): raw data whose
-# thousands of values would make almost any number look sourced, not results
-RAW_DATA = ("results.json",)
-
-
 def _text_numbers(text: str) -> set[str]:
     return {m.group(0).lstrip("+-") for m in _NUMBER.finditer(text)}
 
@@ -57,8 +51,6 @@ def report_numbers(root: Path) -> set[str]:
     written (Markdown)."""
     known: set[str] = set()
     for path in sorted((root / "reports").rglob("*.json")):
-        if path.name in RAW_DATA:
-            continue
         for value in json_numbers(json.loads(path.read_text())):
             known |= _forms(value)
     for path in sorted((root / "reports").rglob("*.md")):

@@ -2,12 +2,12 @@
 
 Each warmup seed (``warmup.seed``) is one DVC experiment of the same params: its own warmup, seed rollouts and
 predictor warm start, then every arm at the same training seeds. ``collect``, run in the workspace right after an
-experiment, copies what the report needs into ``<out>/w<warmup seed>/``: ``results.json`` (each arm's and seed's
+experiment, copies what the report needs into ``<out>/w<warmup seed>/``: ``results.json.gz`` (each arm's and seed's
 MLflow results with the per-question held-out results, the warmup's metrics and per-question results, the params
 that define the study, the commits the train runs ran at) beside that experiment's own ``summary.md`` and
 ``metrics.json``.
 
-``pool`` reads every ``<out>/w*/results.json`` and writes ``<out>/summary.md``, ``<out>/study.json`` and
+``pool`` reads every ``<out>/w*/results.json.gz`` and writes ``<out>/summary.md``, ``<out>/study.json`` and
 ``<out>/metrics.json`` (the pooled tables in the report's ``reports/metrics.json`` format):
 
 - the report of the pooled study: each (warmup, training seed) pair is a unit, so every comparison with ``grpo``
@@ -26,6 +26,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import shutil
@@ -37,6 +38,7 @@ from trace.reporting.report import column_values
 from trace.reporting.statistics import mean_interval
 from trace.reporting.warmups import pool_units, warmup_components
 
+RESULTS = "results.json.gz"  # one warmup's collected results: gzip, as raw per-question data is several MB of JSON
 PRIMARY = "eval mean@k"  # the primary comparison's column (docs/method.md, "Statistics over seeds")
 BASELINE = "grpo"
 # the params every warmup of one study must share (warmup.seed is what differs)
@@ -87,7 +89,7 @@ def collect(params: str, warmup_seed: int, out: Path) -> Path:
     results, warmup_questions = attach_question_results(results, eval_path, WARMUP_EVAL, warmup, cfg.evaluate.pass_k)
     target = out / f"w{warmup_seed}"
     target.mkdir(parents=True, exist_ok=True)
-    write_json(target / "results.json", {
+    _write_gzip_json(target / RESULTS, {
         "warmup_seed": warmup_seed, "commit": _run_commits(cfg, results), "study": {k: _lookup(cfg, k) for k in STUDY_KEYS},
         "warmup": warmup, "warmup_questions": warmup_questions,
         "results": {arm: {str(s): res for s, res in by_seed.items()} for arm, by_seed in results.items()}})
@@ -98,18 +100,18 @@ def collect(params: str, warmup_seed: int, out: Path) -> Path:
 
 
 def load_warmups(out: Path) -> dict[int, dict]:
-    """Every ``out/w*/results.json``, by warmup seed, seeds as ints.
+    """Every ``out/w*/results.json.gz``, by warmup seed, seeds as ints.
 
     Raises:
         FileNotFoundError: none found; ValueError: two warmups of different study params (named).
     """
     found = {}
-    for path in sorted(out.glob("w*/results.json")):
-        data = json.loads(path.read_text())
+    for path in sorted(out.glob(f"w*/{RESULTS}")):
+        data = json.loads(gzip.decompress(path.read_bytes()))
         data["results"] = {arm: {int(s): res for s, res in by_seed.items()} for arm, by_seed in data["results"].items()}
         found[int(data["warmup_seed"])] = data
     if not found:
-        raise FileNotFoundError(f"no {out}/w*/results.json: run `python -m scripts.warmup_study collect` after each "
+        raise FileNotFoundError(f"no {out}/w*/{RESULTS}: run `python -m scripts.warmup_study collect` after each "
                                 "warmup's experiment (make run-paper does)")
     first = next(iter(found.values()))
     for w, data in found.items():
@@ -184,6 +186,13 @@ def pool(out: Path) -> dict:
     # the report's own format, so the docs tables of a run report (scripts.docs_tables) read the pooled study
     write_json(out / "metrics.json", {"warmup": {}, "ablations": table, "design": payload["design"]})
     return payload
+
+
+def _write_gzip_json(path: Path, payload: dict) -> None:
+    """``payload`` as gzip-compressed JSON, written atomically (no timestamp in the header: the same bytes each time)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(gzip.compress(json.dumps(payload, sort_keys=True).encode(), mtime=0))
+    tmp.replace(path)
 
 
 def _clean(value: float):

@@ -1,3 +1,4 @@
+import gzip
 import json
 import math
 
@@ -78,9 +79,9 @@ def test_the_study_pools_warmups_into_one_report_and_splits_the_warmup_effect(tm
                    "trace": {s: _result(rng, 0.4 + shift) for s in range(3)}}
         warmup = {"accuracy/greedy": 0.3, "accuracy/mean@4": 0.25, "warmup/chosen_step": 900 + 50 * w}
         (tmp_path / f"w{w}").mkdir()
-        (tmp_path / f"w{w}" / "results.json").write_text(json.dumps({
+        (tmp_path / f"w{w}" / "results.json.gz").write_bytes(gzip.compress(json.dumps({
             "warmup_seed": w, "commit": "abc1234", "study": study, "warmup": warmup, "warmup_questions": None,
-            "results": {a: {str(s): r for s, r in by.items()} for a, by in results.items()}}))
+            "results": {a: {str(s): r for s, r in by.items()} for a, by in results.items()}}).encode()))
     payload = pool(tmp_path)
     assert [u["warmup_seed"] for u in payload["units"]] == [0, 0, 0, 1, 1, 1]
     assert payload["ablations"]["trace"]["vs_grpo"]["eval mean@k"]["n"] == 6  # paired over the six units
@@ -100,9 +101,9 @@ def test_a_study_of_one_seed_per_warmup_pools_without_the_split(tmp_path):
     study = {k: None for k in STUDY_KEYS} | {"evaluate.pass_k": 4, "report.margin": 0.02, "evaluate.num_prompts": 40}
     for w in (0, 1):
         (tmp_path / f"w{w}").mkdir()
-        (tmp_path / f"w{w}" / "results.json").write_text(json.dumps({
+        (tmp_path / f"w{w}" / "results.json.gz").write_bytes(gzip.compress(json.dumps({
             "warmup_seed": w, "commit": "abc1234", "study": study, "warmup": {"accuracy/greedy": 0.3},
-            "warmup_questions": None, "results": {a: {"0": _result(rng, 0.4)} for a in ("grpo", "trace")}}))
+            "warmup_questions": None, "results": {a: {"0": _result(rng, 0.4)} for a in ("grpo", "trace")}}).encode()))
     payload = pool(tmp_path)
     assert payload["ablations"]["trace"]["vs_grpo"]["eval mean@k"]["n"] == 2 and payload["warmup_components"] == {}
     assert "## Warmups" in (tmp_path / "summary.md").read_text()
@@ -114,8 +115,8 @@ def test_the_study_refuses_warmups_of_different_studies(tmp_path):
     for w, steps in ((0, 160), (1, 80)):
         (tmp_path / f"w{w}").mkdir()
         study = {k: None for k in STUDY_KEYS} | {"train.num_steps": steps}
-        (tmp_path / f"w{w}" / "results.json").write_text(json.dumps({"warmup_seed": w, "study": study,
-                                                                      "results": {}}))
+        (tmp_path / f"w{w}" / "results.json.gz").write_bytes(gzip.compress(json.dumps(
+            {"warmup_seed": w, "study": study, "results": {}}).encode()))
     with pytest.raises(ValueError, match=r"warmup 1 differs from warmup 0 in \{'train.num_steps': \(160, 80\)\}"):
         load_warmups(tmp_path)
     with pytest.raises(FileNotFoundError, match="no .*w\\*/results.json"):
