@@ -49,21 +49,27 @@ $(STAMP): requirements.txt
 	$(BIN)/python -c "from trace.configuration.process_env import build_ops; build_ops()"
 	touch $(STAMP)
 
-# The main job: every DVC stage on params.yaml, against one local Prefect server started for the run.
-# The params are checked first (a second or two), before the server starts.
+# The servers a run's stages use, started before DVC and stopped after it: one local Prefect server, and the
+# preloaded interpreter (flows.preload) whose forks run the stages without importing torch, transformers,
+# DeepSpeed, Prefect and MLflow again in each (TRACE_PRELOAD; empty where a GPU is visible: plain processes).
+# $(1): the DVC command line
+define with_servers
+export PREFECT_API_URL=$$($(BIN)/python -m flows.server ensure --port $(PORT)) && export PATH=$(CURDIR)/$(BIN):$$PATH && \
+	  export TRACE_PRELOAD=$$($(BIN)/python -m flows.preload ensure) && $(1); status=$$?; \
+	  $(BIN)/python -m flows.preload stop >/dev/null; $(BIN)/python -m flows.server stop >/dev/null; exit $$status
+endef
+
+# The main job: every DVC stage on params.yaml, against the servers above.
+# The params are checked first (a second or two), before the servers start.
 run: venv
 	@$(BIN)/python -m flows.check_params || exit 1; \
-	  export PREFECT_API_URL=$$($(BIN)/python -m flows.server ensure --port $(PORT)) && \
-	  PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/dvc repro; status=$$?; \
-	  $(BIN)/python -m flows.server stop >/dev/null; exit $$status
+	  $(call with_servers,$(BIN)/dvc repro)
 
 # One DVC experiment of params.yaml with the -S overrides that the shell line before it sets as "$$@": the
-# overrides are checked first, then `dvc exp run` against one local Prefect server started for it.
+# overrides are checked first, then `dvc exp run` against the servers of with_servers.
 define dvc_experiment
 $(BIN)/python -m flows.check_params "$$@" || exit 1; \
-	  export PREFECT_API_URL=$$($(BIN)/python -m flows.server ensure --port $(PORT)) && \
-	  PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/dvc exp run "$$@"; status=$$?; \
-	  $(BIN)/python -m flows.server stop >/dev/null; exit $$status
+	  $(call with_servers,$(BIN)/dvc exp run "$$@")
 endef
 
 # The full grid: every registered arm (trace.allocation.arms.ARMS) x train.seeds, as an experiment of

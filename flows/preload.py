@@ -1,0 +1,298 @@
+"""Stage processes started from a preloaded interpreter: torch, transformers, DeepSpeed, Prefect and MLflow
+imported once per run instead of once per stage.
+
+DVC starts every stage as a new process (``python -m flows.train ...``), and each spent 7-10 s importing its
+libraries before its first line of work: about 4 of the 18 minutes of ``make run`` over its 30 stages. ``make
+run`` therefore starts one server (``python -m flows.preload ensure``) that imports those libraries once and
+listens on a Unix socket of the repository (``.prefect/preload.sock``, mode 0600), and exports its path as
+``TRACE_PRELOAD``. A stage command then forwards itself (``forward_stage``, called by ``flows/__init__.py``
+before any other import): it sends its arguments, working directory, environment and its standard input,
+output and error (the file descriptors themselves) to the server, which forks a child that runs the stage
+module as ``__main__`` exactly as ``python -m`` would, in that directory, with that environment and those
+descriptors. The command passes on the signals it gets (Ctrl-C, ``kill``) to the child, and exits with the
+child's status; the child ends when the command dies.
+
+A stage runs as a plain process instead, the same code in a new interpreter, whenever forwarding could change
+what it computes or where it writes: ``TRACE_PRELOAD`` unset or no server answering; a module that is not a
+stage of ``dvc.yaml``; another interpreter or checkout than the server's; or an environment that differs from
+the server's in any variable other than DVC's own (``DVC_*``) and the shell's bookkeeping, since libraries
+read some (threads, DeepSpeed's accelerator) when they are imported. Nothing is preloaded where a GPU is
+visible (CUDA does not survive a fork). The child reseeds Python's and NumPy's global generators from the
+OS, as a new process would; every stream the pipeline's results depend on is seeded from the params.
+
+Usage:
+    python -m flows.preload ensure    # start unless one serves this checkout; prints the socket path ("" if none)
+    python -m flows.preload stop
+    python -m flows.preload status
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+from flows.forward import ENV_KEY, REPO_ROOT, mismatch, receive_message, request_identity, send_message, stage_identity
+
+SOCKET_PATH = REPO_ROOT / ".prefect" / "preload.sock"
+PID_FILE = REPO_ROOT / ".prefect" / "preload.pid"
+LOG_FILE = REPO_ROOT / ".prefect" / "preload.log"
+# imported by the server before it serves: what the stages import (never a stage module itself, so each runs
+# from its first line as python -m runs it)
+PRELOAD = ("torch", "transformers", "transformers.models.qwen3.modeling_qwen3", "peft", "deepspeed", "prefect",
+           "prefect.flow_engine", "mlflow", "mlflow.store.tracking.sqlalchemy_store", "flows.common",
+           "flows.prefect_runs", "trace.configuration.params_file", "trace.training.loop", "trace.training.warmup",
+           "trace.training.evaluation", "trace.update", "trace.tracking", "trace.reporting.report")
+# ---- the server's side ---------------------------------------------------------------------------------------
+def serve(socket_path: Path = SOCKET_PATH, preload=PRELOAD) -> None:
+    """Import ``preload``, then fork one child per stage command at ``socket_path`` until SIGTERM.
+
+    One thread only: the server forks from the thread that imported everything, so no lock of another thread
+    can be held in a child. Children are reaped between requests.
+    """
+    import importlib
+
+    os.environ.pop(ENV_KEY, None)
+    identity = stage_identity(os.environ)
+    for name in preload:
+        try:
+            importlib.import_module(name)
+        except ImportError as err:
+            _log(f"not preloaded: {name} ({err})")
+    socket_path = Path(socket_path)
+    socket_path.unlink(missing_ok=True)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o177)  # the socket is this user's only: a client hands over its descriptors
+    try:
+        server.bind(str(socket_path))
+    finally:
+        os.umask(old_umask)
+    server.listen(64)
+    server.settimeout(1.0)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    _log(f"serving {socket_path} (pid {os.getpid()})")
+    try:
+        while True:
+            _reap()
+            try:
+                conn, _ = server.accept()
+            except socket.timeout:
+                continue
+            try:
+                _handle(conn, server, identity)
+            except OSError as err:  # a command that went away mid-request: serve the next one
+                _log(f"request dropped: {err}")
+    finally:
+        server.close()
+        socket_path.unlink(missing_ok=True)
+
+
+def _handle(conn: socket.socket, server: socket.socket, identity: dict) -> None:
+    conn.settimeout(10.0)
+    try:
+        request, fds = receive_message(conn, max_fds=3)
+    except (OSError, ValueError) as err:
+        _log(f"bad request: {err}")
+        conn.close()
+        return
+    if request is None or "ping" in (request or {}):
+        if request is not None:
+            send_message(conn, {"pong": os.getpid(), **identity})
+        conn.close()
+        return
+    reason = mismatch(identity, request_identity(request)) if len(fds) == 3 else "not given three descriptors"
+    if reason:
+        _log(f"{request.get('module')}: plain ({reason})")
+        send_message(conn, {"plain": reason})
+    else:
+        pid = os.fork()
+        if pid == 0:
+            server.close()
+            _child(conn, request, fds)
+        _log(f"{request['module']} {' '.join(request['args'])}: pid {pid}")
+    for fd in fds:
+        os.close(fd)
+    conn.close()
+
+
+def _child(conn: socket.socket, request: dict, fds: list[int]) -> None:
+    """The stage, run in the forked child as ``python -m`` runs it; never returns."""
+    import atexit
+    import random
+    import runpy
+    import threading
+    import traceback
+
+    code = 1
+    try:
+        for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
+            signal.signal(signum, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update({k: v for k, v in request["environ"].items() if k != ENV_KEY})
+        random.seed()
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed()
+        conn.settimeout(None)
+        send_message(conn, {"pid": os.getpid()})
+        # the command died (its socket closed): end the stage as its own process would have ended with it
+        threading.Thread(target=_end_with_peer, args=(conn,), daemon=True).start()
+        sys.argv = [request["module"], *request["args"]]
+        sys.orig_argv = [sys.executable, "-m", request["module"], *request["args"]]
+        try:
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as exit_:
+            code = _exit_code(exit_.code)
+        except KeyboardInterrupt:
+            traceback.print_exc()
+            code = 130
+        except BaseException:  # noqa: BLE001 - a stage's uncaught error: its traceback, status 1, as python -m
+            traceback.print_exc()
+            code = 1
+        threading._shutdown()  # as interpreter exit does: wait for the stage's non-daemon threads, then atexit
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        try:
+            send_message(conn, {"exit": code})
+        except OSError:
+            pass
+        os._exit(code)
+
+
+def _exit_code(value) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value
+    print(value, file=sys.stderr)
+    return 1
+
+
+def _end_with_peer(conn: socket.socket) -> None:
+    try:
+        while conn.recv(1):
+            pass
+    except OSError:
+        pass
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _reap() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _log(line: str) -> None:
+    import time
+
+    print(f"{time.strftime('%H:%M:%S')} {line}", file=sys.stderr, flush=True)
+
+
+# ---- start, check, stop ------------------------------------------------------------------------------------
+def ping(socket_path: Path = SOCKET_PATH, timeout: float = 2.0) -> dict | None:
+    """The identity of the server answering at ``socket_path`` (with its pid as ``pong``), or None."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(timeout)
+            conn.connect(str(socket_path))
+            send_message(conn, {"ping": 1})
+            reply, _ = receive_message(conn)
+            return reply
+    except (OSError, ValueError):
+        return None
+
+
+def ensure(wait_s: float = 120.0) -> str:
+    """Start a server for this checkout unless one with this process's identity answers; return its socket.
+
+    A server of another interpreter or environment is stopped and replaced. Returns "" (stages then run as
+    plain processes) where a GPU is visible, where the socket's path is too long for a Unix socket, or when the
+    server did not answer within ``wait_s`` (its log names why).
+    """
+    import subprocess
+    import time
+
+    if Path("/dev/nvidiactl").exists() or len(str(SOCKET_PATH)) > 100:
+        return ""
+    environ = {k: v for k, v in os.environ.items() if k != ENV_KEY}
+    running = ping()
+    if running is not None:
+        theirs = {k: running.get(k) for k in ("executable", "prefix", "root", "cwd", "env")}
+        if not mismatch(stage_identity(environ, str(REPO_ROOT)), theirs):
+            return str(SOCKET_PATH)
+        stop()
+    SOCKET_PATH.parent.mkdir(parents=True, exist_ok=True)
+    with open(LOG_FILE, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "flows.preload", "serve"], stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, env=environ, cwd=REPO_ROOT)
+    PID_FILE.write_text(f"{proc.pid}\n")
+    deadline = time.time() + wait_s
+    while time.time() < deadline and proc.poll() is None:
+        if ping() is not None:
+            return str(SOCKET_PATH)
+        time.sleep(0.2)
+    stop()
+    print(f"flows.preload: the server did not start, stages run as plain processes; see {LOG_FILE}", file=sys.stderr)
+    return ""
+
+
+def stop() -> bool:
+    """Stop the server started by ``ensure`` (stages it runs finish first). Returns whether one was running."""
+    import time
+
+    if not PID_FILE.exists():
+        return False
+    pid = int(PID_FILE.read_text().split()[0])
+    PID_FILE.unlink(missing_ok=True)
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    for _ in range(50):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return True
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("action", choices=["ensure", "stop", "status", "serve"])
+    args = parser.parse_args(argv)
+    if args.action == "ensure":
+        print(ensure())
+    elif args.action == "stop":
+        print("stopped" if stop() else "no server started by flows.preload")
+    elif args.action == "status":
+        print("up" if ping() is not None else "down")
+    else:
+        serve()
+
+
+if __name__ == "__main__":
+    main()

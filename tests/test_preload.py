@@ -1,0 +1,194 @@
+"""flows.preload and flows.forward: stage commands run in forks of a preloaded interpreter, or plain.
+
+The server runs as its own process on a socket in a temporary folder; the commands are real processes, so
+descriptors, signals and exit statuses cross real process boundaries.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flows.forward import STAGE_MODULES, mismatch, stage_module
+
+REPO = Path(__file__).resolve().parents[1]
+PROBE = '''
+import json, os, sys, time
+print(json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "cwd": os.getcwd(), "argv": sys.argv[1:],
+                  "marker": os.environ.get("PROBE_MARKER"), "name": __name__}), flush=True)
+print("to stderr", file=sys.stderr, flush=True)
+mode = sys.argv[1]
+if mode == "exit3":
+    sys.exit(3)
+if mode == "raise":
+    raise RuntimeError("probe failed")
+if mode == "sleep":
+    with open(sys.argv[2], "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(120)
+'''
+# the command's side in its own process: run_forwarded's status, 100 when the stage would run plain
+CLIENT = ("import sys; from flows.forward import run_forwarded; "
+          "s = run_forwarded(sys.argv[1], sys.argv[2], sys.argv[3:], log=lambda m: print(m, file=sys.stderr)); "
+          "sys.exit(100 if s is None else s)")
+
+
+def test_stage_module_reads_python_dash_m_of_a_stage_only():
+    assert stage_module(["python", "-m", "flows.train", "--seed", "1"]) == ("flows.train", ["--seed", "1"])
+    assert stage_module(["python", "-X", "importtime", "-u", "-m", "flows.evaluate"]) == ("flows.evaluate", [])
+    assert stage_module(["python", "-m", "flows.grid", "worker"]) is None
+    assert stage_module(["python", "-c", "import flows", "-m", "flows.train"]) is None
+    assert stage_module(["python", "script.py", "-m", "flows.train"]) is None
+
+
+def test_the_stage_modules_are_those_of_dvc_yaml():
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    modules = {stage["cmd"].split()[2] for stage in stages.values()}
+    assert modules == STAGE_MODULES
+
+
+def test_mismatch_names_what_differs():
+    ours = {"executable": "/v/python", "prefix": "/v", "root": "/r", "cwd": "/r", "env": {"A": "1", "B": "2"}}
+    assert mismatch(ours, {**ours}) == ""
+    assert "OMP_NUM_THREADS" in mismatch(ours, {**ours, "env": {"A": "1", "B": "2", "OMP_NUM_THREADS": "1"}})
+    assert "B" in mismatch(ours, {**ours, "env": {"A": "1"}})
+    assert "cwd" in mismatch(ours, {**ours, "cwd": "/elsewhere"})
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+class Server:
+    """A preload server on a socket of a short temporary folder, started with ``env`` from the repository."""
+
+    def __init__(self, env: dict, preload: tuple[str, ...]):
+        self.dir = Path(tempfile.mkdtemp(prefix="pl-", dir="/tmp"))
+        self.socket = str(self.dir / "s.sock")
+        self.log = self.dir / "server.log"
+        self.env = env
+        code = f"from flows.preload import serve; serve({self.socket!r}, preload={preload!r})"
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        from flows.preload import ping
+
+        self.identity = _wait_for(lambda: ping(Path(self.socket)), 180, f"the server ({self.log.read_text()})")
+
+    def client(self, module: str, *args: str, env: dict | None = None, **popen) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", CLIENT, self.socket, module, *args], cwd=REPO,
+                                env=env or self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+    def close(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def probe_server():
+    folder = Path(tempfile.mkdtemp(prefix="probe-", dir="/tmp"))
+    (folder / "probe_stage.py").write_text(PROBE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(folder)]), "PROBE_MARKER": "m1"}
+    env.pop("TRACE_PRELOAD", None)
+    server = Server(env, preload=("json",))
+    yield server
+    server.close()
+
+
+def test_a_forwarded_stage_runs_in_a_child_of_the_server_with_the_commands_directory_environment_and_output(
+        probe_server):
+    proc = probe_server.client("probe_stage", "ok", "--flag")
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    seen = json.loads(out.splitlines()[0])
+    assert seen["ppid"] == probe_server.identity["pong"] and seen["pid"] != proc.pid
+    assert seen["cwd"] == str(REPO) and seen["argv"] == ["ok", "--flag"] and seen["name"] == "__main__"
+    assert seen["marker"] == "m1" and "to stderr" in err
+
+
+@pytest.mark.parametrize("mode, status, message", [("exit3", 3, ""), ("raise", 1, "RuntimeError: probe failed")])
+def test_the_commands_exit_status_is_the_stages(probe_server, mode, status, message):
+    proc = probe_server.client("probe_stage", mode)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == status and message in err
+
+
+def test_a_command_whose_environment_differs_runs_plain_and_says_why(probe_server):
+    proc = probe_server.client("probe_stage", "ok", env={**probe_server.env, "OMP_NUM_THREADS": "7"})
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 100 and out == "" and "environment differs in OMP_NUM_THREADS" in err, err
+    # DVC's own variables and the shell's bookkeeping do not count
+    proc = probe_server.client("probe_stage", "ok", env={**probe_server.env, "DVC_ROOT": "/x", "PWD": "/y"})
+    assert proc.communicate(timeout=60)[0] and proc.returncode == 0
+
+
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 1)])
+def test_signals_to_the_command_reach_the_stage(probe_server, tmp_path, signum, status):
+    marker = tmp_path / "pid"
+    proc = probe_server.client("probe_stage", "sleep", str(marker))
+    child = int(_wait_for(lambda: marker.exists() and marker.read_text(), 60, "the stage to start"))
+    proc.send_signal(signum)
+    proc.communicate(timeout=60)
+    assert proc.returncode == status
+    _wait_for(lambda: not _alive(child), 30, "the stage to end")
+
+
+def test_the_stage_ends_when_its_command_is_killed(probe_server, tmp_path):
+    marker = tmp_path / "pid"
+    proc = probe_server.client("probe_stage", "sleep", str(marker))
+    child = int(_wait_for(lambda: marker.exists() and marker.read_text(), 60, "the stage to start"))
+    proc.kill()
+    proc.wait(timeout=30)
+    _wait_for(lambda: not _alive(child), 30, "the orphaned stage to end")
+
+
+@pytest.mark.slow
+def test_a_real_stage_forwarded_writes_what_it_writes_as_a_plain_process(tmp_path):
+    """``python -m flows.check_params`` with ``TRACE_PRELOAD`` set runs in the server (its log says so) with the
+    default preload list (every module imports), and writes the same file as without it; a bad param exits 1
+    with the same message either way."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("TRACE_PRELOAD", None)
+    server = Server(env, preload=__import__("flows.preload", fromlist=["PRELOAD"]).PRELOAD)
+    try:
+        outputs = {}
+        for how, extra in (("plain", {}), ("forwarded", {"TRACE_PRELOAD": server.socket})):
+            out = tmp_path / how
+            proc = subprocess.run([sys.executable, "-m", "flows.check_params", "--params",
+                                   str(REPO / "tests" / "params_tiny.yaml"), "--out", str(out)], cwd=REPO,
+                                  env={**env, **extra}, capture_output=True, text=True, timeout=300)
+            assert proc.returncode == 0, proc.stderr
+            outputs[how] = out.read_bytes()
+            bad = subprocess.run([sys.executable, "-m", "flows.check_params", "--params",
+                                  str(REPO / "tests" / "params_tiny.yaml"), "-S", "update.lr=-1"], cwd=REPO,
+                                 env={**env, **extra}, capture_output=True, text=True, timeout=300)
+            outputs[how + " error"] = (bad.returncode, bad.stderr.strip().splitlines()[-1:])
+        log = server.log.read_text()
+        assert "flows.check_params --params" in log and "not preloaded" not in log, log
+        assert outputs["plain"] == outputs["forwarded"]
+        assert outputs["plain error"] == outputs["forwarded error"] and outputs["plain error"][0] == 1
+    finally:
+        server.close()
