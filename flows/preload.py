@@ -1,24 +1,24 @@
 """Stage processes started from a preloaded interpreter: torch, transformers, DeepSpeed, Prefect and MLflow
 imported once per run instead of once per stage.
 
-DVC starts every stage as a new process (``python -m flows.train ...``), and each spent 7-10 s importing its
-libraries before its first line of work: about 4 of the 18 minutes of ``make run`` over its 30 stages. ``make
-run`` therefore starts one server (``python -m flows.preload ensure``) that imports those libraries once and
-listens on a Unix socket of the repository (``.prefect/preload.sock``, mode 0600), and exports its path as
-``TRACE_PRELOAD``. A stage command then forwards itself (``forward_stage``, called by ``flows/__init__.py``
-before any other import): it sends its arguments, working directory, environment and its standard input,
-output and error (the file descriptors themselves) to the server, which forks a child that runs the stage
-module as ``__main__`` exactly as ``python -m`` would, in that directory, with that environment and those
-descriptors. The command passes on the signals it gets (Ctrl-C, ``kill``) to the child, and exits with the
-child's status; the child ends when the command dies.
+DVC starts every stage as a new process (``python -m flows.train ...``), and each spends seconds importing its
+libraries before its first line of work, most of the work of an ``evaluate@`` stage. ``make run`` therefore
+starts one server (``python -m flows.preload ensure``) that imports those libraries once and listens on a Unix
+socket of the repository (``.prefect/preload.sock``, mode 0600), and exports its path as ``TRACE_PRELOAD``. A
+stage command then forwards itself (``flows.forward.forward_stage``, called by ``flows/__init__.py`` before any
+other import): it sends its arguments, working directory, environment and its standard input, output and error
+(the file descriptors themselves) to the server, which forks a child that runs the stage module as
+``__main__`` exactly as ``python -m`` would, with that environment and those descriptors. The command passes on
+the signals it gets (Ctrl-C, ``kill``) to the child and exits with the child's status; the child ends when the
+command dies.
 
 A stage runs as a plain process instead, the same code in a new interpreter, whenever forwarding could change
 what it computes or where it writes: ``TRACE_PRELOAD`` unset or no server answering; a module that is not a
-stage of ``dvc.yaml``; another interpreter or checkout than the server's; or an environment that differs from
-the server's in any variable other than DVC's own (``DVC_*``) and the shell's bookkeeping, since libraries
-read some (threads, DeepSpeed's accelerator) when they are imported. Nothing is preloaded where a GPU is
-visible (CUDA does not survive a fork). The child reseeds Python's and NumPy's global generators from the
-OS, as a new process would; every stream the pipeline's results depend on is seeded from the params.
+stage of ``dvc.yaml``; another interpreter, checkout or working directory than the server's; or an environment
+that differs from the server's in any variable other than DVC's own (``DVC_*``) and the shell's bookkeeping,
+since libraries read some (threads, DeepSpeed's accelerator) when they are imported. Nothing is preloaded where
+a GPU is visible (CUDA does not survive a fork). The child reseeds Python's and NumPy's global generators from
+the OS, as a new process would; every stream the pipeline's results depend on is seeded from the params.
 
 Usage:
     python -m flows.preload ensure    # start unless one serves this checkout; prints the socket path ("" if none)
@@ -33,18 +33,22 @@ import signal
 import socket
 import sys
 from pathlib import Path
+from typing import Sequence
 
 from flows.forward import ENV_KEY, REPO_ROOT, mismatch, receive_message, request_identity, send_message, stage_identity
 
-SOCKET_PATH = REPO_ROOT / ".prefect" / "preload.sock"
-PID_FILE = REPO_ROOT / ".prefect" / "preload.pid"
-LOG_FILE = REPO_ROOT / ".prefect" / "preload.log"
+STATE_DIR = REPO_ROOT / ".prefect"  # preload.sock, preload.pid, preload.log
+SOCKET_PATH = STATE_DIR / "preload.sock"
 # imported by the server before it serves: what the stages import (never a stage module itself, so each runs
 # from its first line as python -m runs it)
 PRELOAD = ("torch", "transformers", "transformers.models.qwen3.modeling_qwen3", "peft", "deepspeed", "prefect",
            "prefect.flow_engine", "mlflow", "mlflow.store.tracking.sqlalchemy_store", "flows.common",
            "flows.prefect_runs", "trace.configuration.params_file", "trace.training.loop", "trace.training.warmup",
-           "trace.training.evaluation", "trace.update", "trace.tracking", "trace.reporting.report")
+           "trace.training.evaluation", "trace.update", "trace.tracking", "trace.reporting.report",
+           # imported inside the functions that need them (a second each for sklearn and matplotlib)
+           "sklearn.metrics", "scipy.stats", "scipy.optimize", "scipy.special", "matplotlib", "matplotlib.pyplot")
+
+
 # ---- the server's side ---------------------------------------------------------------------------------------
 def serve(socket_path: Path = SOCKET_PATH, preload=PRELOAD) -> None:
     """Import ``preload``, then fork one child per stage command at ``socket_path`` until SIGTERM.
@@ -133,7 +137,6 @@ def _child(conn: socket.socket, request: dict, fds: list[int]) -> None:
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
-        os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update({k: v for k, v in request["environ"].items() if k != ENV_KEY})
         random.seed()
@@ -219,53 +222,67 @@ def ping(socket_path: Path = SOCKET_PATH, timeout: float = 2.0) -> dict | None:
         return None
 
 
-def ensure(wait_s: float = 120.0) -> str:
-    """Start a server for this checkout unless one with this process's identity answers; return its socket.
+def ensure(folder: Path = STATE_DIR, wait_s: float = 120.0, preload: Sequence[str] | None = None) -> str:
+    """Start a server unless one with this process's identity answers at ``folder/preload.sock``; return the socket.
 
-    A server of another interpreter or environment is stopped and replaced. Returns "" (stages then run as
-    plain processes) where a GPU is visible, where the socket's path is too long for a Unix socket, or when the
-    server did not answer within ``wait_s`` (its log names why).
+    A server of another interpreter, checkout or environment is stopped and replaced. Returns "" (stages then run
+    as plain processes) where a GPU is visible, where the socket's path is too long for a Unix socket, or when the
+    server did not answer within ``wait_s`` (``folder/preload.log`` says why).
+
+    Args:
+        folder: where the socket, ``preload.pid`` and ``preload.log`` live.
+        preload: the modules to import (default ``PRELOAD``).
     """
     import subprocess
     import time
 
-    if Path("/dev/nvidiactl").exists() or len(str(SOCKET_PATH)) > 100:
+    socket_path = folder / "preload.sock"
+    if Path("/dev/nvidiactl").exists() or len(str(socket_path)) > 100:
         return ""
     environ = {k: v for k, v in os.environ.items() if k != ENV_KEY}
-    running = ping()
+    running = ping(socket_path)
     if running is not None:
         theirs = {k: running.get(k) for k in ("executable", "prefix", "root", "cwd", "env")}
         if not mismatch(stage_identity(environ, str(REPO_ROOT)), theirs):
-            return str(SOCKET_PATH)
-        stop()
-    SOCKET_PATH.parent.mkdir(parents=True, exist_ok=True)
-    with open(LOG_FILE, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "flows.preload", "serve"], stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True, env=environ, cwd=REPO_ROOT)
-    PID_FILE.write_text(f"{proc.pid}\n")
+            return str(socket_path)
+        stop(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "flows.preload", "serve", "--socket", str(socket_path)]
+    if preload is not None:
+        cmd += ["--preload", ",".join(preload)]
+    with open(folder / "preload.log", "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env=environ, cwd=REPO_ROOT)
+    (folder / "preload.pid").write_text(f"{proc.pid}\n")
     deadline = time.time() + wait_s
     while time.time() < deadline and proc.poll() is None:
-        if ping() is not None:
-            return str(SOCKET_PATH)
+        if ping(socket_path) is not None:
+            return str(socket_path)
         time.sleep(0.2)
-    stop()
-    print(f"flows.preload: the server did not start, stages run as plain processes; see {LOG_FILE}", file=sys.stderr)
+    stop(folder)
+    print(f"flows.preload: the server did not start, stages run as plain processes; see {folder / 'preload.log'}",
+          file=sys.stderr)
     return ""
 
 
-def stop() -> bool:
-    """Stop the server started by ``ensure`` (stages it runs finish first). Returns whether one was running."""
+def stop(folder: Path = STATE_DIR) -> bool:
+    """Stop the server that ``ensure`` started in ``folder`` (stages it runs finish first). Returns whether one ran."""
     import time
 
-    if not PID_FILE.exists():
+    pid_file = folder / "preload.pid"
+    if not pid_file.exists():
         return False
-    pid = int(PID_FILE.read_text().split()[0])
-    PID_FILE.unlink(missing_ok=True)
+    pid = int(pid_file.read_text().split()[0])
+    pid_file.unlink(missing_ok=True)
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
         return False
     for _ in range(50):
+        try:
+            os.waitpid(pid, os.WNOHANG)  # reaped here when this process started it
+        except ChildProcessError:
+            pass
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
@@ -283,6 +300,8 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("action", choices=["ensure", "stop", "status", "serve"])
+    parser.add_argument("--socket", default=str(SOCKET_PATH), help="serve: the socket's path")
+    parser.add_argument("--preload", default=None, help="serve: modules to import, comma-separated (default PRELOAD)")
     args = parser.parse_args(argv)
     if args.action == "ensure":
         print(ensure())
@@ -291,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.action == "status":
         print("up" if ping() is not None else "down")
     else:
-        serve()
+        serve(Path(args.socket), PRELOAD if args.preload is None else tuple(filter(None, args.preload.split(","))))
 
 
 if __name__ == "__main__":

@@ -192,3 +192,20 @@ def test_a_real_stage_forwarded_writes_what_it_writes_as_a_plain_process(tmp_pat
         assert outputs["plain error"] == outputs["forwarded error"] and outputs["plain error"][0] == 1
     finally:
         server.close()
+
+
+def test_ensure_starts_one_server_reuses_it_and_replaces_one_of_another_environment(monkeypatch):
+    from flows.preload import ensure, ping, stop
+
+    folder = Path(tempfile.mkdtemp(prefix="en-", dir="/tmp"))
+    socket_path = folder / "preload.sock"
+    monkeypatch.delenv("TRACE_PRELOAD", raising=False)
+    assert ensure(folder, preload=("json",)) == str(socket_path)
+    first = ping(socket_path)["pong"]
+    assert ensure(folder, preload=("json",)) == str(socket_path) and ping(socket_path)["pong"] == first
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")  # what the stages would now run with: the server must match it
+    assert ensure(folder, preload=("json",)) == str(socket_path)
+    second = ping(socket_path)
+    assert second["pong"] != first and second["env"]["OMP_NUM_THREADS"] == "7"
+    _wait_for(lambda: not _alive(first), 30, "the replaced server to end")
+    assert stop(folder) and ping(socket_path) is None and not (folder / "preload.pid").exists()
