@@ -111,6 +111,8 @@ def _handle(conn: socket.socket, server: socket.socket, identity: dict) -> None:
         _log(f"{request.get('module')}: plain ({reason})")
         send_message(conn, {"plain": reason})
     else:
+        sys.stdout.flush()  # nothing of the server's own output may reach the child's descriptors
+        sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
             server.close()
@@ -137,6 +139,9 @@ def _child(conn: socket.socket, request: dict, fds: list[int]) -> None:
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
+        # buffered as a new interpreter buffers them: stdout by line on a terminal, stderr always by line
+        sys.stdout.reconfigure(line_buffering=sys.stdout.isatty())
+        sys.stderr.reconfigure(line_buffering=True)
         os.environ.clear()
         os.environ.update({k: v for k, v in request["environ"].items() if k != ENV_KEY})
         random.seed()

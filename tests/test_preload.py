@@ -32,6 +32,7 @@ if mode == "exit3":
 if mode == "raise":
     raise RuntimeError("probe failed")
 if mode == "sleep":
+    print("sleeping")  # not flushed: a terminal sees it at once only when stdout is line-buffered
     with open(sys.argv[2], "w") as f:
         f.write(str(os.getpid()))
     time.sleep(120)
@@ -113,6 +114,7 @@ def probe_server():
     (folder / "probe_stage.py").write_text(PROBE)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(folder)]), "PROBE_MARKER": "m1"}
     env.pop("TRACE_PRELOAD", None)
+    env.pop("PYTHONUNBUFFERED", None)  # streams buffered as by default, so the buffering test can fail
     server = Server(env, preload=("json",))
     yield server
     server.close()
@@ -209,3 +211,26 @@ def test_ensure_starts_one_server_reuses_it_and_replaces_one_of_another_environm
     assert second["pong"] != first and second["env"]["OMP_NUM_THREADS"] == "7"
     _wait_for(lambda: not _alive(first), 30, "the replaced server to end")
     assert stop(folder) and ping(socket_path) is None and not (folder / "preload.pid").exists()
+
+
+def test_a_terminal_sees_each_line_of_the_stage_as_it_is_printed(probe_server, tmp_path):
+    """stdout on a terminal is line-buffered in a new interpreter; the forked stage's must be too (the server's
+    own stdout is a file, block-buffered)."""
+    import pty
+    import select
+
+    controller, terminal = pty.openpty()
+    marker = tmp_path / "pid"
+    proc = subprocess.Popen([sys.executable, "-c", CLIENT, probe_server.socket, "probe_stage", "sleep", str(marker)],
+                            cwd=REPO, env=probe_server.env, stdout=terminal, stderr=subprocess.DEVNULL)
+    os.close(terminal)
+    try:
+        seen = b""
+        while b"sleeping" not in seen:
+            ready, _, _ = select.select([controller], [], [], 30)
+            assert ready, f"the stage's line did not reach the terminal while it runs: {seen!r}"
+            seen += os.read(controller, 4096)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+        os.close(controller)
