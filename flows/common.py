@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 from pathlib import Path
 
 from trace.configuration.process_env import main_repository, setup_process_env  # the stages' environment (also the Makefile's)
@@ -78,6 +79,37 @@ def checkpoint_store(checkpoint_dir: str | None = None) -> Path:
     if checkpoint_dir is None:
         return main_repository() / CHECKPOINTS
     return main_repository() / Path(checkpoint_dir).expanduser()
+
+
+def end_process(pid: int, *, group: bool = False, wait_s: float = 5.0) -> bool:
+    """SIGTERM to process ``pid`` (its whole process group with ``group``), SIGKILL after ``wait_s`` seconds.
+
+    A child of this process is reaped while it waits. Returns False when no such process (group) existed.
+    """
+    import signal
+    import time
+
+    kill = os.killpg if group else os.kill
+    try:
+        kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        try:
+            kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    try:
+        kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return True
 
 
 def stage_args(description: str, *, ablation: bool = False, argv: list[str] | None = None) -> argparse.Namespace:

@@ -272,32 +272,14 @@ def ensure(folder: Path = STATE_DIR, wait_s: float = 120.0, preload: Sequence[st
 
 def stop(folder: Path = STATE_DIR) -> bool:
     """Stop the server that ``ensure`` started in ``folder`` (stages it runs finish first). Returns whether one ran."""
-    import time
-
     pid_file = folder / "preload.pid"
     if not pid_file.exists():
         return False
+    from flows.common import end_process
+
     pid = int(pid_file.read_text().split()[0])
     pid_file.unlink(missing_ok=True)
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return False
-    for _ in range(50):
-        try:
-            os.waitpid(pid, os.WNOHANG)  # reaped here when this process started it
-        except ChildProcessError:
-            pass
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.1)
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    return True
+    return end_process(pid)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
-from flows.common import REPO_ROOT, setup_process_env
+from flows.common import REPO_ROOT, end_process, setup_process_env
 
 PID_FILE = REPO_ROOT / ".prefect" / "server.pid"
 LOG_FILE = REPO_ROOT / ".prefect" / "server.log"
@@ -74,21 +73,7 @@ def stop() -> bool:
         return False
     pid = int(PID_FILE.read_text().split()[0])
     PID_FILE.unlink(missing_ok=True)
-    try:
-        os.killpg(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return False
-    for _ in range(50):
-        try:
-            os.killpg(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.1)
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    return True
+    return end_process(pid, group=True)
 
 
 def main(argv: list[str] | None = None) -> None:
