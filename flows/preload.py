@@ -17,7 +17,7 @@ what it computes or where it writes: ``TRACE_PRELOAD`` unset or no server answer
 stage of ``dvc.yaml``; another interpreter, checkout or working directory than the server's; or an environment
 that differs from the server's in any variable other than DVC's own (``DVC_*``) and the shell's bookkeeping,
 since libraries read some (threads, DeepSpeed's accelerator) when they are imported. Nothing is preloaded where
-a GPU is visible (CUDA does not survive a fork). The child reseeds Python's and NumPy's global generators from
+a GPU is visible (CUDA does not survive a fork) or outside Linux. The child reseeds Python's and NumPy's global generators from
 the OS, as a new process would; every stream the pipeline's results depend on is seeded from the params.
 
 Usage:
@@ -231,7 +231,7 @@ def ensure(folder: Path = STATE_DIR, wait_s: float = 120.0, preload: Sequence[st
     """Start a server unless one with this process's identity answers at ``folder/preload.sock``; return the socket.
 
     A server of another interpreter, checkout or environment is stopped and replaced. Returns "" (stages then run
-    as plain processes) where a GPU is visible, where the socket's path is too long for a Unix socket, or when the
+    as plain processes) on an operating system other than Linux, where a GPU is visible, where the socket's path is too long for a Unix socket, or when the
     server did not answer within ``wait_s`` (``folder/preload.log`` says why).
 
     Args:
@@ -242,8 +242,8 @@ def ensure(folder: Path = STATE_DIR, wait_s: float = 120.0, preload: Sequence[st
     import time
 
     socket_path = folder / "preload.sock"
-    if Path("/dev/nvidiactl").exists() or len(str(socket_path)) > 100:
-        return ""
+    if sys.platform != "linux" or Path("/dev/nvidiactl").exists() or len(str(socket_path)) > 100:
+        return ""  # macOS: a fork of a process that loaded system frameworks may crash; GPUs: CUDA and fork
     environ = {k: v for k, v in os.environ.items() if k != ENV_KEY}
     running = ping(socket_path)
     if running is not None:
