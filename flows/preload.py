@@ -17,8 +17,9 @@ what it computes or where it writes: ``TRACE_PRELOAD`` unset or no server answer
 stage of ``dvc.yaml``; another interpreter, checkout or working directory than the server's; or an environment
 that differs from the server's in any variable other than DVC's own (``DVC_*``) and the shell's bookkeeping,
 since libraries read some (threads, DeepSpeed's accelerator) when they are imported. Nothing is preloaded where
-a GPU is visible (CUDA does not survive a fork) or outside Linux. The child reseeds Python's and NumPy's global generators from
-the OS, as a new process would; every stream the pipeline's results depend on is seeded from the params.
+a GPU is visible (CUDA does not survive a fork) or outside Linux. The child reseeds Python's and NumPy's global
+generators from the OS, as a new process would; every stream the pipeline's results depend on is seeded from the
+params.
 
 Usage:
     python -m flows.preload ensure    # start unless one serves this checkout; prints the socket path ("" if none)
@@ -231,8 +232,9 @@ def ensure(folder: Path = STATE_DIR, wait_s: float = 120.0, preload: Sequence[st
     """Start a server unless one with this process's identity answers at ``folder/preload.sock``; return the socket.
 
     A server of another interpreter, checkout or environment is stopped and replaced. Returns "" (stages then run
-    as plain processes) on an operating system other than Linux, where a GPU is visible, where the socket's path is too long for a Unix socket, or when the
-    server did not answer within ``wait_s`` (``folder/preload.log`` says why).
+    as plain processes) on an operating system other than Linux, where a GPU is visible, where the socket's path is
+    too long for a Unix socket, or when the server did not answer within ``wait_s`` (``folder/preload.log`` says
+    why).
 
     Args:
         folder: where the socket, ``preload.pid`` and ``preload.log`` live.
