@@ -1,7 +1,8 @@
 """The stage command's side of ``flows.preload``: offer the stage to the preloaded server, or run it here.
 
-``forward_stage`` runs first in every ``python -m flows.<stage>`` (``flows/__init__.py``). Standard library only,
-and nothing imported when ``TRACE_PRELOAD`` is unset, so a plain stage pays nothing for it. The rules of when a
+``forward_stage`` runs first in every ``python -m flows.<stage>`` (``flows/__init__.py``). Standard library only
+(``socket``, ``struct``, ``signal``), and it returns at once when ``TRACE_PRELOAD`` is unset, so a plain stage pays
+nothing for it. The rules of when a
 stage runs forked and when plain are ``flows.preload``'s.
 """
 
@@ -60,71 +61,97 @@ def send_message(conn: socket.socket, message: dict, fds: list[int] = ()) -> Non
         conn.sendall(frame[sent:])
 
 
-def receive_message(conn: socket.socket, max_fds: int = 0) -> tuple[dict | None, list[int]]:
-    """The next message and the descriptors that came with it; ``(None, [])`` when the peer closed first."""
-    import json
-
-    buffer, fds = b"", []
-    while len(buffer) < 8 or len(buffer) < 8 + struct.unpack("!Q", buffer[:8])[0]:
+def _receive_exactly(conn: socket.socket, size: int, fds: list[int], max_fds: int) -> bytes | None:
+    """``size`` bytes, no more (a later message may follow in the stream); None when the peer closed first."""
+    buffer = b""
+    while len(buffer) < size:
         if max_fds and not fds:
-            chunk, got, _, _ = socket.recv_fds(conn, 1 << 16, max_fds)
+            chunk, got, _, _ = socket.recv_fds(conn, size - len(buffer), max_fds)
             fds.extend(got)
         else:
-            chunk = conn.recv(1 << 16)
+            chunk = conn.recv(size - len(buffer))
         if not chunk:
-            for fd in fds:
-                os.close(fd)
-            return None, []
+            return None
         buffer += chunk
-    return json.loads(buffer[8:8 + struct.unpack("!Q", buffer[:8])[0]]), fds
+    return buffer
+
+
+def receive_message(conn: socket.socket, max_fds: int = 0) -> tuple[dict | None, list[int]]:
+    """The next message and the descriptors that came with it; ``(None, [])`` when the peer closed first.
+
+    Reads exactly one frame, so a message sent right after it stays in the stream for the next call. The
+    descriptors received are closed when the message is incomplete or not valid JSON (which is raised).
+    """
+    import json
+
+    fds: list[int] = []
+    try:
+        header = _receive_exactly(conn, 8, fds, max_fds)
+        data = header and _receive_exactly(conn, struct.unpack("!Q", header)[0], fds, max_fds)
+        if data is None:
+            raise EOFError
+        message = json.loads(data)
+        if not isinstance(message, dict):
+            raise ValueError(f"a message must be a JSON object, got {type(message).__name__}")
+        return message, fds
+    except BaseException as err:
+        for fd in fds:
+            os.close(fd)
+        if isinstance(err, EOFError):
+            return None, []
+        raise
 
 
 # ---- the stage command's side --------------------------------------------------------------------------------
 def stage_module(orig_argv: list[str]) -> tuple[str, list[str]] | None:
-    """``(module, arguments)`` when ``orig_argv`` is ``python [options] -m <stage module> [arguments]``."""
-    i = 1
-    while i < len(orig_argv):
-        arg = orig_argv[i]
-        if arg == "-m" and i + 1 < len(orig_argv):
-            module = orig_argv[i + 1]
-            return (module, orig_argv[i + 2:]) if module in STAGE_MODULES else None
-        if not arg.startswith("-") or arg in ("-c", "-"):
-            return None
-        i += 2 if arg in ("-X", "-W") else 1  # the options whose value is the next word
+    """``(module, arguments)`` when ``orig_argv`` is ``python -m <stage module> [arguments]``.
+
+    An interpreter option before ``-m`` (``-u``, ``-O``, ``-W error``, ``-X dev``, ...) changes how the stage runs,
+    and a forked child has the server's: such a command runs plain (None).
+    """
+    if len(orig_argv) >= 3 and orig_argv[1] == "-m" and orig_argv[2] in STAGE_MODULES:
+        return orig_argv[2], orig_argv[3:]
     return None
 
 
 def run_forwarded(socket_path: str, module: str, args: list[str], *, environ=None, cwd: str | None = None,
-                  log=None) -> int | None:
+                  log=None, timeout: float = 30.0) -> int | None:
     """Run ``module`` with ``args`` in a child of the server at ``socket_path``; return its exit status.
 
-    This process's standard input, output and error become the child's; SIGINT, SIGTERM and SIGHUP received
-    meanwhile are passed on to it.
+    This process's standard input, output and error become the child's. The child leads its own process group;
+    SIGINT, SIGTERM and SIGHUP received meanwhile go to that group (the stage and what it started, as a
+    terminal's Ctrl-C reaches a plain process and its children), except those this process ignores, which the
+    child ignores too (``nohup``).
 
     Returns:
         The child's exit status (130 after Ctrl-C; 1 when it died without reporting one, e.g. SIGKILL), or None
-        when the stage must run here instead: no server answers, or it refused (``log`` gets the reason).
+        when the stage must run here instead: no server answers within ``timeout`` seconds, or it refused (``log``
+        gets the reason).
     """
     environ = os.environ if environ is None else environ
+    forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    ignored = [int(sig) for sig in forwarded if signal.getsignal(sig) == signal.SIG_IGN]
     try:
         for fd in (0, 1, 2):
             os.fstat(fd)
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.settimeout(timeout)
         conn.connect(socket_path)
-    except OSError:
-        return None
-    with conn:
         request = {"module": module, "args": list(args), "cwd": cwd or os.getcwd(), "executable": sys.executable,
-                   "prefix": sys.prefix, "root": str(REPO_ROOT), "environ": dict(environ)}
+                   "prefix": sys.prefix, "root": str(REPO_ROOT), "environ": dict(environ), "ignored": ignored}
         send_message(conn, request, [0, 1, 2])
         reply, _ = receive_message(conn)
+    except (OSError, ValueError):  # no server, a wedged one, or a garbled reply: run here
+        return None
+    with conn:
         if reply is None or "plain" in reply:
             if log and reply:
                 log(f"flows.preload: {module} runs in its own process: {reply['plain']}")
             return None
         pid = reply["pid"]
+        conn.settimeout(None)
         handlers = {sig: signal.signal(sig, lambda signum, frame: _pass_on(pid, signum))
-                    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+                    for sig in forwarded if int(sig) not in ignored}
         try:
             reply, _ = receive_message(conn)
         finally:
@@ -139,7 +166,7 @@ def run_forwarded(socket_path: str, module: str, args: list[str], *, environ=Non
 
 def _pass_on(pid: int, signum: int) -> None:
     try:
-        os.kill(pid, signum)
+        os.killpg(pid, signum)
     except ProcessLookupError:
         pass
 

@@ -55,17 +55,22 @@ def serve(socket_path: Path = SOCKET_PATH, preload=PRELOAD) -> None:
     """Import ``preload``, then fork one child per stage command at ``socket_path`` until SIGTERM.
 
     One thread only: the server forks from the thread that imported everything, so no lock of another thread
-    can be held in a child. Children are reaped between requests.
+    can be held in a child. Children are reaped between requests. Once the code it imported from the checkout
+    changes on disk, the server refuses (the stages run plain) and ``ensure`` replaces it.
     """
     import importlib
 
     os.environ.pop(ENV_KEY, None)
     identity = stage_identity(os.environ)
+    before = dict(os.environ)
     for name in preload:
         try:
             importlib.import_module(name)
         except ImportError as err:
             _log(f"not preloaded: {name} ({err})")
+    # what the imports set (e.g. sklearn's KMP_DUPLICATE_LIB_OK): a new process that imports them has it too
+    added = {k: v for k, v in os.environ.items() if k not in before}
+    code = _code_state()
     socket_path = Path(socket_path)
     socket_path.unlink(missing_ok=True)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -74,6 +79,7 @@ def serve(socket_path: Path = SOCKET_PATH, preload=PRELOAD) -> None:
         server.bind(str(socket_path))
     finally:
         os.umask(old_umask)
+    bound = socket_path.stat().st_ino
     server.listen(64)
     server.settimeout(1.0)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
@@ -85,48 +91,91 @@ def serve(socket_path: Path = SOCKET_PATH, preload=PRELOAD) -> None:
                 conn, _ = server.accept()
             except socket.timeout:
                 continue
-            try:
-                _handle(conn, server, identity)
-            except OSError as err:  # a command that went away mid-request: serve the next one
-                _log(f"request dropped: {err}")
+            with conn:
+                try:
+                    _handle(conn, server, identity, code, added)
+                except Exception as err:  # noqa: BLE001 - one bad or vanished command: serve the next one
+                    _log(f"request dropped: {err!r}")
     finally:
         server.close()
-        socket_path.unlink(missing_ok=True)
+        try:
+            if socket_path.stat().st_ino == bound:  # a successor's socket at the same path stays
+                socket_path.unlink()
+        except FileNotFoundError:
+            pass
 
 
-def _handle(conn: socket.socket, server: socket.socket, identity: dict) -> None:
+def _code_state() -> dict[str, tuple[int, int]]:
+    """``{file: (mtime_ns, size)}`` of every module imported from the checkout."""
+    state = {}
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if path and Path(path).is_relative_to(REPO_ROOT):
+            try:
+                info = os.stat(path)
+            except OSError:
+                continue
+            state[path] = (info.st_mtime_ns, info.st_size)
+    return state
+
+
+def _stale(code: dict[str, tuple[int, int]]) -> str:
+    """The first preloaded file of the checkout changed on disk since the server imported it ("" = none)."""
+    for path, seen in code.items():
+        try:
+            info = os.stat(path)
+        except OSError:
+            return path
+        if (info.st_mtime_ns, info.st_size) != seen:
+            return path
+    return ""
+
+
+def _handle(conn: socket.socket, server: socket.socket, identity: dict, code: dict, added: dict) -> None:
     conn.settimeout(10.0)
+    request, fds = receive_message(conn, max_fds=3)
     try:
-        request, fds = receive_message(conn, max_fds=3)
-    except (OSError, ValueError) as err:
-        _log(f"bad request: {err}")
-        conn.close()
-        return
-    if request is None or "ping" in (request or {}):
-        if request is not None:
-            send_message(conn, {"pong": os.getpid(), **identity})
-        conn.close()
-        return
-    reason = mismatch(identity, request_identity(request)) if len(fds) == 3 else "not given three descriptors"
-    if reason:
-        _log(f"{request.get('module')}: plain ({reason})")
-        send_message(conn, {"plain": reason})
-    else:
+        if request is None:
+            return
+        changed = _stale(code)
+        if "ping" in request:
+            send_message(conn, {"pong": os.getpid(), "stale": changed, **identity})
+            return
+        if changed:
+            reason = f"{changed} changed since the server imported it (`python -m flows.preload ensure` restarts it)"
+        elif len(fds) != 3:
+            reason = "not given three descriptors"
+        else:
+            reason = mismatch(identity, request_identity(request))
+        if reason:
+            _log(f"{request.get('module')}: plain ({reason})")
+            send_message(conn, {"plain": reason})
+            return
         sys.stdout.flush()  # nothing of the server's own output may reach the child's descriptors
         sys.stderr.flush()
-        pid = os.fork()
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # the server's handler must not run in the child
+        pid = -1
+        try:
+            pid = os.fork()
+        finally:
+            if pid != 0:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         if pid == 0:
-            server.close()
-            _child(conn, request, fds)
+            try:
+                server.close()
+                _child(conn, request, fds, added)
+            finally:
+                os._exit(1)
         _log(f"{request['module']} {' '.join(request['args'])}: pid {pid}")
-    for fd in fds:
-        os.close(fd)
-    conn.close()
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
-def _child(conn: socket.socket, request: dict, fds: list[int]) -> None:
+def _child(conn: socket.socket, request: dict, fds: list[int], added: dict) -> None:
     """The stage, run in the forked child as ``python -m`` runs it; never returns."""
     import atexit
+    import ctypes
     import random
     import runpy
     import threading
@@ -134,17 +183,24 @@ def _child(conn: socket.socket, request: dict, fds: list[int]) -> None:
 
     code = 1
     try:
+        os.setpgid(0, 0)  # its own group: the command passes signals on to the stage and what it starts
         for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
             signal.signal(signum, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        for signum in request.get("ignored", []):  # what the command ignores (nohup), the stage ignores
+            signal.signal(signum, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
+        fds.clear()
         # buffered as a new interpreter buffers them: stdout by line on a terminal, stderr always by line
         sys.stdout.reconfigure(line_buffering=sys.stdout.isatty())
         sys.stderr.reconfigure(line_buffering=True)
         os.environ.clear()
         os.environ.update({k: v for k, v in request["environ"].items() if k != ENV_KEY})
+        for key, value in added.items():
+            os.environ.setdefault(key, value)
         random.seed()
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()
@@ -174,6 +230,10 @@ def _child(conn: socket.socket, request: dict, fds: list[int]) -> None:
             except (OSError, ValueError):
                 pass
         try:
+            ctypes.CDLL(None).fflush(None)  # C-level output of extensions, as interpreter exit flushes it
+        except (OSError, AttributeError):
+            pass
+        try:
             send_message(conn, {"exit": code})
         except OSError:
             pass
@@ -195,7 +255,7 @@ def _end_with_peer(conn: socket.socket) -> None:
             pass
     except OSError:
         pass
-    os.kill(os.getpid(), signal.SIGTERM)
+    os.killpg(os.getpid(), signal.SIGTERM)
 
 
 def _reap() -> None:
@@ -231,7 +291,7 @@ def ping(socket_path: Path = SOCKET_PATH, timeout: float = 2.0) -> dict | None:
 def ensure(folder: Path = STATE_DIR, wait_s: float = 120.0, preload: Sequence[str] | None = None) -> str:
     """Start a server unless one with this process's identity answers at ``folder/preload.sock``; return the socket.
 
-    A server of another interpreter, checkout or environment is stopped and replaced. Returns "" (stages then run
+    A server of another interpreter, checkout or environment, or one whose code changed on disk, is replaced. Returns "" (stages then run
     as plain processes) on an operating system other than Linux, where a GPU is visible, where the socket's path is
     too long for a Unix socket, or when the server did not answer within ``wait_s`` (``folder/preload.log`` says
     why).
@@ -250,7 +310,7 @@ def ensure(folder: Path = STATE_DIR, wait_s: float = 120.0, preload: Sequence[st
     running = ping(socket_path)
     if running is not None:
         theirs = {k: running.get(k) for k in ("executable", "prefix", "root", "cwd", "env")}
-        if not mismatch(stage_identity(environ, str(REPO_ROOT)), theirs):
+        if not running.get("stale") and not mismatch(stage_identity(environ, str(REPO_ROOT)), theirs):
             return str(socket_path)
         stop(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -273,7 +333,7 @@ def ensure(folder: Path = STATE_DIR, wait_s: float = 120.0, preload: Sequence[st
 
 
 def stop(folder: Path = STATE_DIR) -> bool:
-    """Stop the server that ``ensure`` started in ``folder`` (stages it runs finish first). Returns whether one ran."""
+    """Stop the server that ``ensure`` started in ``folder`` (stages it runs carry on). Returns whether one ran."""
     pid_file = folder / "preload.pid"
     if not pid_file.exists():
         return False

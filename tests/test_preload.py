@@ -31,6 +31,12 @@ if mode == "exit3":
     sys.exit(3)
 if mode == "raise":
     raise RuntimeError("probe failed")
+if mode == "spawn":
+    import subprocess
+    sleeper = subprocess.Popen(["sleep", "120"])
+    with open(sys.argv[2], "w") as f:
+        f.write(f"{os.getpid()} {sleeper.pid}")
+    sleeper.wait()
 if mode == "sleep":
     print("sleeping")  # not flushed: a terminal sees it at once only when stdout is line-buffered
     with open(sys.argv[2], "w") as f:
@@ -45,7 +51,9 @@ CLIENT = ("import sys; from flows.forward import run_forwarded; "
 
 def test_stage_module_reads_python_dash_m_of_a_stage_only():
     assert stage_module(["python", "-m", "flows.train", "--seed", "1"]) == ("flows.train", ["--seed", "1"])
-    assert stage_module(["python", "-X", "importtime", "-u", "-m", "flows.evaluate"]) == ("flows.evaluate", [])
+    # an interpreter option would not reach a forked child: such a command runs plain
+    assert stage_module(["python", "-X", "importtime", "-m", "flows.evaluate"]) is None
+    assert stage_module(["python", "-u", "-m", "flows.evaluate"]) is None
     assert stage_module(["python", "-m", "flows.grid", "worker"]) is None
     assert stage_module(["python", "-c", "import flows", "-m", "flows.train"]) is None
     assert stage_module(["python", "script.py", "-m", "flows.train"]) is None
@@ -55,6 +63,34 @@ def test_the_stage_modules_are_those_of_dvc_yaml():
     stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
     modules = {stage["cmd"].split()[2] for stage in stages.values()}
     assert modules == STAGE_MODULES
+
+
+def test_a_message_right_behind_another_is_not_lost():
+    """The stage's pid and its exit status can arrive in one read: each receive takes one frame."""
+    import socket
+
+    from flows.forward import receive_message, send_message
+
+    left, right = socket.socketpair()
+    with left, right:
+        send_message(left, {"pid": 1})
+        send_message(left, {"exit": 3})
+        left.close()
+        assert receive_message(right) == ({"pid": 1}, [])
+        assert receive_message(right) == ({"exit": 3}, [])
+        assert receive_message(right) == (None, [])
+
+
+def test_a_preloaded_file_changed_on_disk_is_stale(tmp_path):
+    from flows.preload import _stale
+
+    module = tmp_path / "m.py"
+    module.write_text("x = 1\n")
+    info = module.stat()
+    code = {str(module): (info.st_mtime_ns, info.st_size)}
+    assert _stale(code) == ""
+    module.write_text("x = 22\n")
+    assert _stale(code) == str(module)
 
 
 def test_mismatch_names_what_differs():
@@ -158,6 +194,21 @@ def test_signals_to_the_command_reach_the_stage(probe_server, tmp_path, signum, 
     _wait_for(lambda: not _alive(child), 30, "the stage to end")
 
 
+def test_a_signal_reaches_what_the_stage_started_and_an_ignored_one_nothing(probe_server, tmp_path):
+    """The stage leads its own process group, which gets the command's signals (a terminal's Ctrl-C reaches a plain
+    stage's children too); a signal the command ignores (nohup) the stage ignores as well."""
+    marker = tmp_path / "pids"
+    proc = probe_server.client("probe_stage", "spawn", str(marker),
+                               preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    stage, sleeper = map(int, _wait_for(lambda: marker.exists() and marker.read_text(), 60, "the stage").split())
+    proc.send_signal(signal.SIGHUP)
+    time.sleep(1.0)
+    assert proc.poll() is None and _alive(stage) and _alive(sleeper)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    _wait_for(lambda: not _alive(stage) and not _alive(sleeper), 30, "the stage and its child to end")
+
+
 def test_the_stage_ends_when_its_command_is_killed(probe_server, tmp_path):
     marker = tmp_path / "pid"
     proc = probe_server.client("probe_stage", "sleep", str(marker))
@@ -196,6 +247,8 @@ def test_a_real_stage_forwarded_writes_what_it_writes_as_a_plain_process(tmp_pat
         server.close()
 
 
+@pytest.mark.skipif(sys.platform != "linux" or Path("/dev/nvidiactl").exists(),
+                    reason="ensure starts no server outside Linux or where a GPU is visible")
 def test_ensure_starts_one_server_reuses_it_and_replaces_one_of_another_environment(monkeypatch):
     from flows.preload import ensure, ping, stop
 
