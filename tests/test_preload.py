@@ -101,6 +101,15 @@ def test_mismatch_names_what_differs():
     assert "cwd" in mismatch(ours, {**ours, "cwd": "/elsewhere"})
 
 
+def _default_signals(*ignored: int):
+    """A command's signals as a terminal starts one (a shell's background job inherits SIGINT ignored, and the
+    stage would then rightly ignore Ctrl-C too), except ``ignored``."""
+    def reset():
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_IGN if signum in ignored else signal.SIG_DFL)
+    return reset
+
+
 def _wait_for(predicate, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -136,6 +145,7 @@ class Server:
         self.identity = _wait_for(lambda: ping(Path(self.socket)), 180, f"the server ({self.log.read_text()})")
 
     def client(self, module: str, *args: str, env: dict | None = None, **popen) -> subprocess.Popen:
+        popen.setdefault("preexec_fn", _default_signals())
         return subprocess.Popen([sys.executable, "-c", CLIENT, self.socket, module, *args], cwd=REPO,
                                 env=env or self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 
@@ -199,7 +209,7 @@ def test_a_signal_reaches_what_the_stage_started_and_an_ignored_one_nothing(prob
     stage's children too); a signal the command ignores (nohup) the stage ignores as well."""
     marker = tmp_path / "pids"
     proc = probe_server.client("probe_stage", "spawn", str(marker),
-                               preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+                               preexec_fn=_default_signals(signal.SIGHUP))
     stage, sleeper = map(int, _wait_for(lambda: marker.exists() and marker.read_text(), 60, "the stage").split())
     proc.send_signal(signal.SIGHUP)
     time.sleep(1.0)
@@ -275,7 +285,8 @@ def test_a_terminal_sees_each_line_of_the_stage_as_it_is_printed(probe_server, t
     controller, terminal = pty.openpty()
     marker = tmp_path / "pid"
     proc = subprocess.Popen([sys.executable, "-c", CLIENT, probe_server.socket, "probe_stage", "sleep", str(marker)],
-                            cwd=REPO, env=probe_server.env, stdout=terminal, stderr=subprocess.DEVNULL)
+                            cwd=REPO, env=probe_server.env, stdout=terminal, stderr=subprocess.DEVNULL,
+                            preexec_fn=_default_signals())
     os.close(terminal)
     try:
         seen = b""
