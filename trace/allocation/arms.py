@@ -261,7 +261,8 @@ def plan_root_counts(arm: Arm, pred_success_prob, *, trajectory_budget: int, exp
                      group_size: int, m_min: int, m_max: int, knapsack_m_min: int | None = None,
                      tie_keys=None, exact_max_cells: int = 2_000_000, max_retries: int = 4,
                      rng_for=None, sample_groups=None, root_objective: str = "groups", sample_more=None,
-                     prompt_uids=None, prompt_texts=None, state=None, config=None) -> RootPlan:
+                     prompt_uids=None, prompt_texts=None, state=None, config=None,
+                     root_budget: int | None = None) -> RootPlan:
     """Root rollouts per candidate for one step, by the arm's root rule.
 
     Args:
@@ -292,6 +293,8 @@ def plan_root_counts(arm: Arm, pred_success_prob, *, trajectory_budget: int, exp
             state (``greso``, ``mopps``, ``vip``).
         state: the arm's ``AllocatorState`` (``make_allocator_state``), for the rules that keep one.
         config: the allocation section, read for the per-rule settings (``allocation.greso`` ...).
+        root_budget: the root rollouts the rule may spend; None: ``root_budget_for(arm, trajectory_budget,
+            expansion_ratio)``. ``allocate_step`` passes what is left after its exploration groups.
 
     Returns:
         ``RootPlan``; ``counts.sum() + expansion_budget == trajectory_budget`` for the planning rules.
@@ -303,7 +306,8 @@ def plan_root_counts(arm: Arm, pred_success_prob, *, trajectory_budget: int, exp
     p = np.asarray(pred_success_prob, dtype=np.float64)
     if p.ndim != 1:
         raise ValueError(f"pred_success_prob must have shape (B,), got {p.shape}")
-    root_budget = root_budget_for(arm, trajectory_budget, expansion_ratio)
+    if root_budget is None:
+        root_budget = root_budget_for(arm, trajectory_budget, expansion_ratio)
     if not 0 <= root_budget <= trajectory_budget:
         raise ValueError(f"allocation.expansion_ratio={expansion_ratio} gives root budget {root_budget} outside "
                          f"[0, {trajectory_budget}]: use expansion_ratio >= 0")

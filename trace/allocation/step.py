@@ -21,14 +21,17 @@ from typing import Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from trace.allocation.arms import plan_root_counts
+from trace.allocation.arms import plan_root_counts, root_budget_for
 from trace.allocation.dapo import NoMixedGroupError
 from trace.allocation.prefix import candidate_anchors, split_expansion_budget
 from trace.allocation.prefix_rules import plan_expansion
 from trace.allocation.registry import Arm, get_prefix_rule
 from trace.tree import RolloutTree
 
-__all__ = ["AnchorChoice", "StepSampler", "StepResult", "allocate_step"]
+__all__ = ["EXPLORING_ROOT_RULES", "AnchorChoice", "StepSampler", "StepResult", "allocate_step", "exploration_draw"]
+
+# root rules that pass over candidates by forecast, so their predictor sees few outcomes of the prompts it ranks low
+EXPLORING_ROOT_RULES = ("trace", "pcl")
 
 
 @runtime_checkable
@@ -150,6 +153,23 @@ def _expand(arm: Arm, trees: list[RolloutTree], counts: np.ndarray, expansion_bu
     return unspent
 
 
+def exploration_draw(arm: Arm, num_candidates: int, explore_groups: int,
+                     rng_for: Callable[[str], np.random.Generator]) -> np.ndarray:
+    """The candidates that get exploration groups (``allocation.explore_groups``) this step.
+
+    Drawn uniformly without replacement from the step's stream ``"explore"``, before stage 1 reads any forecast, for
+    arms whose root rule is one of ``EXPLORING_ROOT_RULES`` and that allocate on the predictor; none otherwise.
+
+    Returns:
+        (k,) int64 sorted candidate indices, ``k = min(explore_groups, num_candidates)`` (0 where the arm does not
+        explore).
+    """
+    if not explore_groups or arm.root_rule not in EXPLORING_ROOT_RULES or arm.scores != "predictor":
+        return np.zeros(0, dtype=np.int64)
+    k = min(int(explore_groups), int(num_candidates))
+    return np.sort(rng_for("explore").choice(num_candidates, size=k, replace=False)).astype(np.int64)
+
+
 def allocate_step(arm: Arm, candidates: Sequence, sampler: StepSampler, acfg,
                   rng_for: Callable[[str], np.random.Generator], state=None) -> StepResult:
     """Allocate and sample one step's trajectories for ``arm`` over ``candidates``.
@@ -160,9 +180,11 @@ def allocate_step(arm: Arm, candidates: Sequence, sampler: StepSampler, acfg,
         sampler: rollouts and predictor scores (``StepSampler``).
         acfg: the allocation section (``trace.configuration.config.AllocationConfig``): ``trajectory_budget``,
             ``expansion_ratio``, ``group_size``, ``m_min``, ``m_max``, ``knapsack_m_min``, ``exact_max_cells``,
-            ``dapo_max_retries``, ``rounds``, ``treepo_width``.
+            ``dapo_max_retries``, ``rounds``, ``treepo_width``, ``explore_groups``: that many candidates
+            (``exploration_draw``) get ``group_size`` bare rollouts each out of the root budget, and the root rule
+            allocates the rest of it over the other candidates.
         rng_for: ``rng_for(purpose) -> numpy Generator`` of the step (purposes ``"dapo"``, ``"greso"``, ``"mopps"``,
-            ``"expand<r>"``).
+            ``"explore"``, ``"expand<r>"``).
         state: the arm's ``AllocatorState`` (``trace.allocation.arms.make_allocator_state``) for rules that keep
             one across steps; the rule reads it, and once the step is sampled ``state.observe`` receives the
             leaf rewards of every sampled tree (its metrics join the step's). None for stateless rules.
@@ -196,14 +218,20 @@ def allocate_step(arm: Arm, candidates: Sequence, sampler: StepSampler, acfg,
     def sample_more(trees: Sequence[RolloutTree], counts: Sequence[int], salt: str) -> None:
         sampler.sample_continuations(trees, {(i, 0): int(k) for i, k in enumerate(counts) if k > 0}, salt)
 
+    explore = exploration_draw(arm, len(candidates), getattr(acfg, "explore_groups", 0), rng_for)
+    rest = np.setdiff1d(np.arange(len(candidates)), explore) if explore.size else np.arange(len(candidates))
+    reserved = int(explore.size) * acfg.group_size  # root rollouts of the exploration groups
+    rest_keys = [tie_keys[i] for i in rest]
     try:
-        plan = plan_root_counts(arm, pred, trajectory_budget=acfg.trajectory_budget,
+        plan = plan_root_counts(arm, pred[rest], trajectory_budget=acfg.trajectory_budget - reserved,
                                 expansion_ratio=acfg.expansion_ratio, group_size=acfg.group_size,
                                 m_min=acfg.m_min, m_max=acfg.m_max, knapsack_m_min=acfg.knapsack_m_min,
-                                tie_keys=tie_keys, exact_max_cells=acfg.exact_max_cells,
+                                tie_keys=rest_keys, exact_max_cells=acfg.exact_max_cells,
                                 max_retries=acfg.dapo_max_retries, rng_for=rng_for, sample_groups=sample_groups,
-                                root_objective=acfg.root_objective, sample_more=sample_more, prompt_uids=tie_keys,
-                                prompt_texts=[p.question for p in candidates], state=state, config=acfg)
+                                root_objective=acfg.root_objective, sample_more=sample_more, prompt_uids=rest_keys,
+                                prompt_texts=[candidates[i].question for i in rest], state=state, config=acfg,
+                                root_budget=(root_budget_for(arm, acfg.trajectory_budget, acfg.expansion_ratio)
+                                             - reserved) if reserved else None)
     except NoMixedGroupError as err:
         # every sampled group agreed within the retry bound: nothing to learn from this step. Any other error
         # of the rollouts (retriever, backend, out of memory) is not an outcome and stops the run.
@@ -222,7 +250,11 @@ def allocate_step(arm: Arm, candidates: Sequence, sampler: StepSampler, acfg,
         root_pred = np.full(len(sampled_trees), np.nan)
         root_counts = np.array([t.num_trajectories() for t in sampled_trees], dtype=np.int64)
     else:
-        counts = plan.counts
+        counts = np.zeros(len(candidates), dtype=np.int64)
+        counts[rest] = plan.counts
+        counts[explore] = acfg.group_size
+        if explore.size:
+            metrics["allocation/explore_groups"] = float(explore.size)
         active = np.flatnonzero(counts)
         trees = sampler.sample_roots([candidates[i] for i in active], counts[active], "roots")
         for tree, i in zip(trees, active):

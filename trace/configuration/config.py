@@ -325,8 +325,9 @@ class Config(_Section):
         Left out: the arms (``train.ablations``: adding one must not invalidate the others), ``train.steps_per_task``
         (orchestration), ``report`` (how results are judged), ``tracking``, ``launch``; ``predictor.truth`` while
         off (it never changes what an arm trains), ``predictor.recalibrate`` off (``recalibrate_map`` while ``platt``),
-        ``allocation.oracle_samples`` at its default (only ``trace_oracle`` reads it), the token budget's keys unset,
-        ``warmup.seed`` unset, ``evaluate.split: eval`` and ``task.kgqa.num_test: 0`` (as before they existed).
+        ``allocation.oracle_samples`` at its default (only ``trace_oracle`` reads it), ``allocation.explore_groups: 0``,
+        the token budget's keys unset, ``warmup.seed`` unset, ``evaluate.split: eval`` and ``task.kgqa.num_test: 0``
+        (as before they existed).
         """
         data = self.model_dump(mode="json")
         data["train"].pop("ablations", None)
@@ -340,6 +341,8 @@ class Config(_Section):
                 data["predictor"].pop(key)
         if self.allocation.oracle_samples == ORACLE_SAMPLES:  # read by trace_oracle alone; as before it existed
             data["allocation"].pop("oracle_samples")
+        if not self.allocation.explore_groups:  # as before it existed
+            data["allocation"].pop("explore_groups")
         for key in ("token_budget", "eval_every_tokens"):  # unset: the hash of a run from before they existed
             if data["train"].get(key) is None:
                 data["train"].pop(key, None)

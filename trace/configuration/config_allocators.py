@@ -112,6 +112,10 @@ class AllocationConfig(Section):
     root_objective: Literal["groups", "leaves"] = Field(
         "groups", description="stage 1 of trace/trace_root maximises expected mixed groups sum A(p,m) (groups, "
         "the paper's) or expected root leaves in them sum m A(p,m) (leaves); docs/method.md#root-allocation")
+    explore_groups: int = Field(
+        0, ge=0, description="trace, trace_root, pcl: groups of group_size bare rollouts given each step to candidates "
+        "drawn uniformly before stage 1, inside the budget, so the predictor also learns from prompts stage 1 passes "
+        "over; docs/method.md#exploration-groups")
     dapo_max_retries: int = Field(4, ge=0, description="dapo: extra sampling rounds before giving up")
     treepo_width: int = Field(2, ge=1, description="treepo: branches added at each turn depth")
     oracle_samples: int = Field(ORACLE_SAMPLES, ge=1, description="trace_oracle: fresh rollouts per candidate prompt "
@@ -129,6 +133,10 @@ class AllocationConfig(Section):
         if self.m_max < self.knapsack_m_min:
             raise ValueError(f"allocation.m_max={self.m_max} < knapsack_m_min={self.knapsack_m_min}: "
                              "set m_max >= knapsack_m_min")
+        if self.explore_groups and self.explore_groups * self.group_size > self.root_budget - self.m_min:
+            raise ValueError(
+                f"allocation.explore_groups={self.explore_groups} x group_size={self.group_size} leaves stage 1 less "
+                f"than m_min={self.m_min} of the root budget {self.root_budget}: lower explore_groups")
         if self.root_budget < self.m_min:
             raise ValueError(
                 f"allocation.trajectory_budget={self.trajectory_budget} with expansion_ratio="
