@@ -175,13 +175,14 @@ def train_flow(params: str, ablation: str, seed: int | None = None) -> dict:
     from trace.configuration.params_file import load_config
     from trace.training.loop import Trainer
     from trace.predictor import load_predictor
-    from trace.training.seeding import check_candidate_pool
+    from trace.training.seeding import check_candidate_pool, rl_prompt_pool
     from trace.tracking import metric_key, summary_metrics
 
     base = load_config(params)
     env = build_environment(base)  # the task as prepared: built from the global seed
     cfg = run_config(base, base.seed if seed is None else seed)
     train, evals = read_split("train"), read_split("eval")
+    train = rl_prompt_pool(train, cfg.train.prompt_pool)
     check_candidate_pool(len(train), cfg.allocation.num_candidates)  # before the policy loads
     policy = load_stage_policy(cfg, WARMUP_MODEL)
     predictor = load_predictor(PREDICTOR / "predictor.pt", cfg.predictor, env=env, policy=policy, seed=cfg.seed)

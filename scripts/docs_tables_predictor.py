@@ -1,7 +1,9 @@
-"""Docs table of the predictor's calibration: ``trace``'s forecasts as the predictor gives them and as
-``predictor.recalibrate`` maps them (the Platt map, then the isotonic one), each against Monte-Carlo truth on the
-unselected sample, from three run reports (index keys ``reliability``, ``recalibrated`` and ``isotonic``) with the
-same seeds and params but those switches.
+"""Docs tables of the predictor's calibration, each against Monte-Carlo truth on the unselected sample:
+- ``calibration_table``: ``trace``'s forecasts as the predictor gives them and as ``predictor.recalibrate`` maps them
+  (the Platt map, then the isotonic one), from three run reports (index keys ``reliability``, ``recalibrated`` and
+  ``isotonic``) with the same seeds and params but those switches;
+- ``exploration_table``: ``trace`` without and with exploration groups (``allocation.explore_groups``), from two run
+  reports of one CPU (index keys ``exploration-base``, beside ``tree_random``, and ``exploration``).
 
 The decisive score is the pooled ECE: the ECE of the reliability diagram pooled over the audited steps (and seeds),
 ``trace.predictor.reliability.diagram_ece``; the mean of per-audit ECEs stands beside it. The runs pair by
@@ -11,14 +13,17 @@ seed (same seeds, same warmup, same prompts a step), so each difference is a pai
 from __future__ import annotations
 
 from scripts.docs_tables_common import Context, _missing, _num, _pm, _source, _table
-from trace.reporting.statistics import paired_difference
+from trace.reporting.statistics import mean_interval, paired_difference
 
-__all__ = ["CALIBRATION_REPORTS", "calibration_table"]
+__all__ = ["CALIBRATION_REPORTS", "EXPLORATION_REPORTS", "calibration_table", "exploration_table"]
 
 ARM = "trace"
 # index key -> what the allocator reads in that report
 CALIBRATION_REPORTS = {"reliability": "the predictor's forecasts", "recalibrated": "Platt map (`predictor.recalibrate`)",
                        "isotonic": "isotonic map (`recalibrate_map: isotonic`)"}
+# index key -> the run's exploration groups; the first is the reference, and holds tree_random
+EXPLORATION_REPORTS = {"exploration-base": "none (`trace` as by default)",
+                       "exploration": "2 a step (`allocation.explore_groups: 2`)"}
 AVGK = "eval/accuracy/mean_at_8"
 PLURAL = {"root": "roots", "prefix": "prefixes"}
 
@@ -48,9 +53,33 @@ def calibration_table(ctx: Context) -> str:
             return (f"The report of `{key}` has no reliability diagrams of `{ARM}` (`predictor.truth.every: 0`, or "
                     "written before they were logged). " + _source(ctx, folder))
         entries[key] = (folder, entry)
+    rows = _calibration_rows({CALIBRATION_REPORTS[key]: entry for key, (_, entry) in entries.items()})
+    own = entries["reliability"][1]
+    note = ("`trace`'s forecasts on the unselected sample against Monte-Carlo truth, 80 steps, seeds 0-2, audited "
+            "every 10 steps. Pooled ECE: the ECE of the reliability diagram pooled over the audits and seeds (per "
+            "seed: over that seed's audits); per-audit ECE, AUC, resolution and the means: mean over the audits, "
+            "then over seeds ± 95 % t half-width.")
+    for key in list(CALIBRATION_REPORTS)[1:]:
+        recal = entries[key][1]
+        diffs = _paired_scores(recal, own)
+        name = CALIBRATION_REPORTS[key].split(" (")[0]
+        note += f" The {name} minus the predictor's own, paired by seed, mean [95 % t-interval]: " + "; ".join(diffs) + "."
+        ratio = recal.get("flips_vs_random")
+        if ratio:
+            note += (f" Its stage-2 flips over `tree_random`'s at the same seed: {_num(ratio['mean'], 2)} "
+                     f"[{_num(ratio['low'], 2)}, {_num(ratio['high'], 2)}].")
+    sources = " ".join(_source(ctx, folder) for folder, _ in entries.values())
+    return _table(["forecasts", "stage"] + SCORE_HEADER, rows, ["---", "---", "---:", "---"] + ["---:"] * 5
+                  ) + "\n\n" + note + " " + sources
+
+
+SCORE_HEADER = ["pooled ECE", "per seed", "per-audit ECE", "AUC", "resolution", "forecast mean", "realised mean"]
+
+
+def _calibration_rows(entries: dict[str, dict]) -> list[list[str]]:
+    """One row per (label, stage): the scores of ``SCORE_HEADER`` from an arm's report entry."""
     rows = []
-    for key, what in CALIBRATION_REPORTS.items():
-        entry = entries[key][1]
+    for what, entry in entries.items():
         for stage in ("root", "prefix"):
             seeds = _seeds(entry["pooled_ece_seeds"].get(stage))
             audit = entry.get("audit", {})
@@ -59,31 +88,69 @@ def calibration_table(ctx: Context) -> str:
                          _pm(audit.get(f"truth/{stage}_ece")), _pm(audit.get(f"truth/{stage}_auc")),
                          _pm(audit.get(f"truth/{stage}_resolution")), _pm(audit.get(f"truth/{stage}_forecast_mean")),
                          _pm(audit.get(f"truth/{stage}_realised_mean"))])
-    own = entries["reliability"][1]
+    return rows
+
+
+def _per_seed(entry: dict, key: str) -> dict[int, float]:
+    """A per-seed value of an arm's report entry: a final result (``s<k>``) or an audit mean (``audit_seeds``)."""
+    if key in entry.get("audit_seeds", {}):
+        return _seeds(entry["audit_seeds"][key])
+    return {int(s[1:]): float(v[key]) for s, v in entry.items() if s[1:].isdigit() and key in v}
+
+
+def _paired_scores(mine: dict, reference: dict) -> list[str]:
+    """``mine`` minus ``reference`` paired by seed: pooled ECE and AUC per stage, held-out avg@8."""
+    diffs = []
+    for stage in ("root", "prefix"):
+        diffs.append(f"pooled ECE, {PLURAL[stage]} " + _interval(paired_difference(
+            _seeds(mine["pooled_ece_seeds"].get(stage)), _seeds(reference["pooled_ece_seeds"].get(stage)))))
+        diffs.append(f"AUC, {PLURAL[stage]} " + _interval(paired_difference(
+            _per_seed(mine, f"truth/{stage}_auc"), _per_seed(reference, f"truth/{stage}_auc"))))
+    diffs.append("held-out avg@8 " + _interval(paired_difference(_per_seed(mine, AVGK), _per_seed(reference, AVGK))))
+    return diffs
+
+
+def _ratio(numerator: dict[int, float], denominator: dict[int, float]) -> str:
+    """The per-seed ratio's mean and 95 % t-interval over the seeds both hold."""
+    seeds = sorted(s for s in numerator if denominator.get(s, 0) > 0)
+    iv = mean_interval([numerator[s] / denominator[s] for s in seeds])
+    return f"{_num(iv.mean, 2)} [{_num(iv.low, 2)}, {_num(iv.high, 2)}]" if len(seeds) > 1 else _num(iv.mean, 2)
+
+
+def exploration_table(ctx: Context) -> str:
+    """Per run and stage, ``trace``'s scores of ``SCORE_HEADER`` without and with exploration groups; then the
+    second minus the first, paired by seed (pooled ECE, AUC, avg@8, realised mixed groups and flips a step), each
+    run's stage-2 flips over ``tree_random``'s of the reference run (``tree_random`` does not explore, so one run
+    of it serves both), and its integrated forecasts over what was realised."""
+    entries = {}
+    for key in EXPLORATION_REPORTS:
+        folder, metrics = ctx.report(key)
+        if metrics is None:
+            return _missing(ctx, key)
+        entry = metrics["ablations"].get(ARM)
+        if entry is None or "pooled_ece" not in entry:
+            return f"The report of `{key}` has no reliability diagrams of `{ARM}`. " + _source(ctx, folder)
+        entries[key] = (folder, entry, metrics)
+    (_, base, base_metrics), (_, explored, _) = entries["exploration-base"], entries["exploration"]
+    random_anchors = base_metrics["ablations"].get("tree_random")
+    if random_anchors is None:
+        return "The report of `exploration-base` has no `tree_random`. " + _source(ctx, entries["exploration-base"][0])
+    rows = _calibration_rows({EXPLORATION_REPORTS[key]: entry for key, (_, entry, _) in entries.items()})
     note = ("`trace`'s forecasts on the unselected sample against Monte-Carlo truth, 80 steps, seeds 0-2, audited "
-            "every 10 steps. Pooled ECE: the ECE of the reliability diagram pooled over the audits and seeds (per "
-            "seed: over that seed's audits); per-audit ECE, AUC, resolution and the means: mean over the audits, "
-            "then over seeds ± 95 % t half-width.")
-    for key in list(CALIBRATION_REPORTS)[1:]:
-        recal = entries[key][1]
-        diffs = []
-        for stage in ("root", "prefix"):
-            diffs.append(f"pooled ECE, {PLURAL[stage]} "
-                         + _interval(paired_difference(_seeds(recal["pooled_ece_seeds"].get(stage)),
-                                                       _seeds(own["pooled_ece_seeds"].get(stage)))))
-            diffs.append(f"AUC, {PLURAL[stage]} " + _interval(paired_difference(
-                _seeds(recal.get("audit_seeds", {}).get(f"truth/{stage}_auc")),
-                _seeds(own.get("audit_seeds", {}).get(f"truth/{stage}_auc")))))
-        diffs.append("held-out avg@8 " + _interval(paired_difference(
-            {int(s[1:]): v[AVGK] for s, v in recal.items() if s[1:].isdigit() and AVGK in v},
-            {int(s[1:]): v[AVGK] for s, v in own.items() if s[1:].isdigit() and AVGK in v})))
-        name = CALIBRATION_REPORTS[key].split(" (")[0]
-        note += f" The {name} minus the predictor's own, paired by seed, mean [95 % t-interval]: " + "; ".join(diffs) + "."
-        ratio = recal.get("flips_vs_random")
-        if ratio:
-            note += (f" Its stage-2 flips over `tree_random`'s at the same seed: {_num(ratio['mean'], 2)} "
-                     f"[{_num(ratio['low'], 2)}, {_num(ratio['high'], 2)}].")
-    sources = " ".join(_source(ctx, folder) for folder, _ in entries.values())
-    return _table(["forecasts", "stage", "pooled ECE", "per seed", "per-audit ECE", "AUC", "resolution",
-                   "forecast mean", "realised mean"], rows, ["---", "---", "---:", "---"] + ["---:"] * 5
+            "every 10 steps, one CPU; columns as in the table above. With exploration groups minus without, paired "
+            "by seed, mean [95 % t-interval]: " + "; ".join(_paired_scores(explored, base)))
+    for what, key in (("realised mixed groups a step", "audit/mixed_groups"), ("stage-2 flips a step", "audit/flips")):
+        note += f"; {what} " + _interval(paired_difference(_per_seed(explored, key), _per_seed(base, key)))
+    flips_random = _per_seed(random_anchors, "audit/flips")
+    parts = []
+    for key, (_, entry, _) in entries.items():
+        integrated = ", ".join(f"{name.replace('_', ' ')} " + _ratio(_per_seed(entry, f"audit/integrated_{name}"),
+                                                                     _per_seed(entry, f"audit/{name}"))
+                               for name in ("mixed_groups", "flips"))
+        parts.append(f"{EXPLORATION_REPORTS[key].split(' (')[0]}: stage-2 flips over `tree_random`'s "
+                     f"{_ratio(_per_seed(entry, 'audit/flips'), flips_random)}; integrated forecast over realised, "
+                     + integrated)
+    note += ". Per seed, mean [95 % t-interval]: " + "; ".join(parts) + "."
+    sources = " ".join(_source(ctx, folder) for folder, _, _ in entries.values())
+    return _table(["exploration groups", "stage"] + SCORE_HEADER, rows, ["---", "---", "---:", "---"] + ["---:"] * 5
                   ) + "\n\n" + note + " " + sources

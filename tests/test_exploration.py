@@ -89,6 +89,10 @@ def test_explore_groups_must_leave_stage_1_a_group():
 def test_no_exploration_keeps_the_params_hash_and_exploration_changes_it():
     from trace.configuration.params_file import load_config
 
+    from trace.configuration.config import config_from_dict
+
+    # these params' hash from before the key existed (tests/test_config.py pins it too)
+    assert config_from_dict({"policy": {"dtype": "float32"}, "update": {"bf16": False}}).params_hash() == "1d1ea06a8418"
     default = load_config("params.yaml")
     assert load_config("params.yaml", {"allocation.explore_groups": 0}).params_hash() == default.params_hash()
     assert load_config("params.yaml", {"allocation.explore_groups": 1}).params_hash() != default.params_hash()

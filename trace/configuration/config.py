@@ -167,6 +167,8 @@ class TrainConfig(_Section):
     eval_samples: int = Field(0, ge=0, description="avg@k at each evaluation: k rollouts per prompt, fixed seeds; 0 = off")
     probe_prompts: int = Field(0, ge=0, description="first N training prompts x probe_samples, fixed seeds (probe/gain)")
     probe_samples: int = Field(4, ge=1, description="sampled rollouts per probe prompt")
+    prompt_pool: Optional[int] = Field(None, ge=1, description="RL steps draw candidates from the first N training "
+                                       "prompts only, so a prompt recurs every N / num_candidates steps; None = all")
     ablations: tuple[str, ...] = Field(tuple(ARMS), description="arms of train@<arm>-<seed> (trace.allocation.arms)")
     # exclude: not in params_hash; a train/evaluate run's hash holds its own seed (flows/common.py run_config)
     seeds: Optional[tuple[int, ...]] = Field(None, exclude=True, description="training seeds: train@/evaluate@ "
@@ -326,8 +328,8 @@ class Config(_Section):
         (orchestration), ``report`` (how results are judged), ``tracking``, ``launch``; ``predictor.truth`` while
         off (it never changes what an arm trains), ``predictor.recalibrate`` off (``recalibrate_map`` while ``platt``),
         ``allocation.oracle_samples`` at its default (only ``trace_oracle`` reads it), ``allocation.explore_groups: 0``,
-        the token budget's keys unset, ``warmup.seed`` unset, ``evaluate.split: eval`` and ``task.kgqa.num_test: 0``
-        (as before they existed).
+        the token budget's keys and ``train.prompt_pool`` unset, ``warmup.seed`` unset, ``evaluate.split: eval`` and
+        ``task.kgqa.num_test: 0`` (as before they existed).
         """
         data = self.model_dump(mode="json")
         data["train"].pop("ablations", None)
@@ -343,7 +345,7 @@ class Config(_Section):
             data["allocation"].pop("oracle_samples")
         if not self.allocation.explore_groups:  # as before it existed
             data["allocation"].pop("explore_groups")
-        for key in ("token_budget", "eval_every_tokens"):  # unset: the hash of a run from before they existed
+        for key in ("token_budget", "eval_every_tokens", "prompt_pool"):  # unset: the hash of a run from before them
             if data["train"].get(key) is None:
                 data["train"].pop(key, None)
         for section, key, unset in (("warmup", "seed", None), ("evaluate", "split", "eval")):  # as before them

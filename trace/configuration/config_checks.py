@@ -34,10 +34,11 @@ def check_root_budgets(cfg) -> None:
 
 def check_candidate_pool(cfg) -> None:
     """A step's ``allocation.num_candidates`` distinct prompts fit in the training pool, where the params fix its
-    size (the train stage checks the prepared prompts of every task).
+    size (the train stage checks the prepared prompts of every task), and ``train.prompt_pool`` fits in the task's.
 
     Raises:
-        ValueError: naming ``allocation.num_candidates`` and the key that sizes the pool.
+        ValueError: naming ``allocation.num_candidates`` and the key that sizes the pool, or ``train.prompt_pool``
+            and the task's key.
     """
     if cfg.task.name.value == "kgqa":
         key, pool = "task.kgqa.num_train", cfg.task.kgqa.num_train
@@ -46,6 +47,13 @@ def check_candidate_pool(cfg) -> None:
     elif cfg.task.files.max_train is not None:
         key, pool = "task.files.max_train", cfg.task.files.max_train
     else:
+        key, pool = None, None
+    if cfg.train.prompt_pool is not None:
+        if pool is not None and cfg.train.prompt_pool > pool:
+            raise ValueError(f"train.prompt_pool={cfg.train.prompt_pool} exceeds {key}={pool} training prompts: "
+                             f"lower train.prompt_pool, or leave it unset (null) to draw from all of them")
+        key, pool = "train.prompt_pool", cfg.train.prompt_pool
+    if pool is None:
         return
     if cfg.allocation.num_candidates > pool:
         raise ValueError(f"allocation.num_candidates={cfg.allocation.num_candidates} exceeds {key}={pool} "
