@@ -175,7 +175,8 @@ def train_flow(params: str, ablation: str, seed: int | None = None) -> dict:
     from trace.configuration.params_file import load_config
     from trace.training.loop import Trainer
     from trace.predictor import load_predictor
-    from trace.training.seeding import check_candidate_pool, rl_prompt_pool
+    from trace.prepared import rl_prompt_pool
+    from trace.training.seeding import check_candidate_pool
     from trace.tracking import metric_key, summary_metrics
 
     base = load_config(params)

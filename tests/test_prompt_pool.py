@@ -3,7 +3,8 @@
 import pytest
 
 from trace.configuration.params_file import ConfigError, load_config
-from trace.training.seeding import candidate_indices, rl_prompt_pool
+from trace.prepared import rl_prompt_pool
+from trace.training.seeding import candidate_indices
 
 
 def test_the_pool_is_the_first_prompts_and_none_is_all():

@@ -86,3 +86,21 @@ def check_unique_prompt_uids(splits: Mapping[str, Sequence[Prompt]]) -> None:
                     "every prompt of a task needs its own id across splits (ids key per-prompt history, "
                     "tie-breaks and seeds): give the data rows distinct ids, or remove the duplicate row")
             seen[uid] = (split, idx)
+
+
+def rl_prompt_pool(train_prompts: Sequence[Prompt], prompt_pool: int | None) -> list[Prompt]:
+    """The prompts RL steps draw their candidates from: the first ``prompt_pool`` prepared training prompts
+    (``train.prompt_pool``; the prepared split is in random order), or all of them for None.
+
+    With a pool of P prompts and B candidates a step, every prompt recurs once every P / B steps
+    (``trace.training.seeding.candidate_indices`` draws epochs), which the allocators with per-prompt state read.
+
+    Raises:
+        ValueError: ``prompt_pool`` exceeds the prepared prompts; the message names the key.
+    """
+    if prompt_pool is None:
+        return list(train_prompts)
+    if prompt_pool > len(train_prompts):
+        raise ValueError(f"train.prompt_pool={prompt_pool} exceeds the {len(train_prompts)} prepared training prompts: "
+                         "lower it, or leave it unset (null) to draw from all of them")
+    return list(train_prompts[:prompt_pool])

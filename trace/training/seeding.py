@@ -9,7 +9,6 @@ prompt order of training: epochs of seeded permutations, each drawing every prom
 from __future__ import annotations
 
 import zlib
-from typing import Sequence
 
 import numpy as np
 
@@ -61,24 +60,6 @@ def check_candidate_pool(num_prompts: int, num_candidates: int) -> None:
             f"allocation.num_candidates={num_candidates} exceeds the {num_prompts} training prompts, and a step's "
             "candidates must be distinct prompts: lower allocation.num_candidates or train on more prompts "
             "(task.kgqa.num_train, task.simulator.num_prompts, task.files.max_train or a larger data file)")
-
-
-def rl_prompt_pool(train_prompts: Sequence, prompt_pool: int | None) -> list:
-    """The prompts RL steps draw their candidates from: the first ``prompt_pool`` training prompts
-    (``train.prompt_pool``; the prepared split is in random order), or all of them for None.
-
-    With a pool of P prompts and B candidates a step, every prompt recurs once every P / B steps
-    (``candidate_indices`` draws epochs), which is what the allocators with per-prompt state read.
-
-    Raises:
-        ValueError: ``prompt_pool`` exceeds the prepared prompts; the message names the key.
-    """
-    if prompt_pool is None:
-        return list(train_prompts)
-    if prompt_pool > len(train_prompts):
-        raise ValueError(f"train.prompt_pool={prompt_pool} exceeds the {len(train_prompts)} prepared training prompts: "
-                         "lower it, or leave it unset (null) to draw from all of them")
-    return list(train_prompts[:prompt_pool])
 
 
 def _epoch_permutation(num_prompts: int, seed: int, epoch: int) -> np.ndarray:
