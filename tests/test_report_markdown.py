@@ -375,3 +375,25 @@ def test_stage_two_flips_are_paired_with_random_anchors_seed_by_seed():
     text = render_markdown(results, {}, 2)
     # per seed 1.5, 1.75, 1.5: mean 1.583, t(2) half-width 4.303 * 0.1443 / sqrt(3) = 0.358
     assert "`trace` 1.58 [1.22, 1.94]" in text and "`tree_random` " not in text.split("Stage 2 against")[1][:200]
+
+
+def test_the_allocators_state_is_summarised_per_arm_and_only_where_logged():
+    def arm(skipped: list[float], key: str = "greso/skipped") -> dict:
+        return {seed: {"run_id": f"r{seed}", "experiment_id": "7", "summary": {}, "eval": {"accuracy/greedy": 0.5},
+                       "history": {key: [(0, s), (1, s + 2.0)]}} for seed, s in enumerate(skipped)}
+    results = {"grpo": _seeded({"acc": [0.4, 0.3, 0.35], "eff": [0.5, 0.6, 0.5]}), "greso": arm([4.0, 6.0, 8.0]),
+               "mopps": arm([0.25, 0.5, 0.75], "mopps/selected_seen")}
+    text = render_markdown(results, {}, 2)
+    section = text.split("## Allocator state")[1]
+    # greso: per-seed means 5, 7, 9 -> 7 ± t(2) 4.3027 * 2 / sqrt(3) = 4.968; mopps: 1.25, 1.5, 1.75 -> 0.621
+    assert "| greso | `greso/skipped` | candidates skipped a step | 7.000 ± 4.968 |" in section
+    assert "| mopps | `mopps/selected_seen` | share of the chosen prompts seen before | 1.500 ± 0.621 |" in section
+    assert "| grpo |" not in section
+    assert "## Allocator state" not in render_markdown(THREE_SEEDS, {}, 2)
+    stats = arm_statistics(results, 2)
+    assert stats["arms"]["greso"]["allocator_state_seeds"]["greso/skipped"] == {0: 5.0, 1: 7.0, 2: 9.0}
+    assert stats["arms"]["grpo"]["allocator_state"] == {}
+    table = metrics_table(results, 2)
+    assert table["greso"]["allocator_state_seeds"]["greso/skipped"] == {"s0": 5.0, "s1": 7.0, "s2": 9.0}
+    assert table["greso"]["allocator_state"]["greso/skipped"]["mean"] == 7.0
+    assert "allocator_state" not in table["grpo"]

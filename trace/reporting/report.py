@@ -36,13 +36,17 @@ AUDIT_KEYS = ("audit/expected_mixed_groups", "audit/mixed_groups", "audit/expect
 TRUTH_SCORES = ("ece", "brier", "reliability", "resolution", "auc", "forecast_mean", "realised_mean")
 TRUTH_KEYS = tuple(f"truth/{stage}_{name}" for stage in ("root", "prefix") for name in TRUTH_SCORES) + (
     "truth/rollouts", "oracle/rollouts", "oracle/tokens")
+# what the allocators that keep state across steps did, and the exploration groups (their rules' per-step metrics)
+ALLOCATOR_KEYS = ("greso/skipped", "greso/refilled", "greso/p_easy", "greso/p_hard", "mopps/known_prompts",
+                  "mopps/selected_seen", "mopps/selected_posterior_mean", "vip/forecast_brier", "vip/mean_forecast",
+                  "vip/active_prompts", "allocation/explore_groups")
 # per-step metrics of a train run read for the plots
 STEP_KEYS = ("effective_ratio", "effective_token_ratio", "reward/mean", "tokens/generated", EVAL_ACCURACY, EVAL_SAMPLED_ACCURACY,
              "probe/gain",
              "tokens/cumulative", "rollout/cumulative_trajectories", "active_prompt_ratio", "predictor/brier",
              "mixed_group_ratio", "predictor/root_auc", "eval/token_mark", "tokens/budget", "tokens/prompt",
              "tokens/observation",
-             *AUDIT_KEYS, *TRUTH_KEYS)
+             *AUDIT_KEYS, *TRUTH_KEYS, *ALLOCATOR_KEYS)
 # summary.md columns after the held-out accuracies: the training-summary keys whose run-level metric
 # (``SUMMARY_METRIC_NAMES``) each shows
 TABLE_SUMMARY_KEYS = ("mean/effective_ratio", "mean/effective_token_ratio", "mean/active_prompt_ratio",
@@ -260,7 +264,8 @@ def arm_statistics(results: dict, pass_k: int, confidence: float = CONFIDENCE,
         ``TargetCrossings`` of the greedy / avg@k curves (None where the target is refused), "probe_gain": Interval
         over seeds of the last ``probe/gain`` (``train.probe_prompts``) or None, "audit": {key:
         Interval of per-step means} (``AUDIT_KEYS`` and ``TRUTH_KEYS``, only keys some seed logged), "audit_seeds":
-        {key: {seed: per-step mean}}, "flips_vs_random": ``flips_ratio`` (None for ``tree_random``),
+        {key: {seed: per-step mean}}, "allocator_state" / "allocator_state_seeds": the same for ``ALLOCATOR_KEYS``
+        (what greso, mopps and vip did a step, the exploration groups), "flips_vs_random": ``flips_ratio`` (None for ``tree_random``),
         "reliability": {"root", "prefix": rows} pooled over the audits and seeds
         (``trace.predictor.reliability``) or None, "pooled_ece_seeds": {stage: {seed: ECE of the seed's pooled
         diagram}}}}}``.
@@ -298,13 +303,14 @@ def arm_statistics(results: dict, pass_k: int, confidence: float = CONFIDENCE,
             entry["crossings" + suffix] = crossings
         probe = [final_accuracy(res, "probe/gain") for res in results[abl].values()]
         entry["probe_gain"] = mean_interval(probe, confidence) if any(math.isfinite(p) for p in probe) else None
-        audit, audit_seeds = {}, {}
-        for key in AUDIT_KEYS + TRUTH_KEYS:  # the steps that logged the key (the audited ones for truth/*)
-            by_seed = {seed: sum(v for _, v in pts) / len(pts) for seed, res in results[abl].items()
-                       if (pts := res["history"].get(key))}
-            if by_seed:
-                audit[key], audit_seeds[key] = mean_interval(list(by_seed.values()), confidence), by_seed
-        entry["audit"], entry["audit_seeds"] = audit, audit_seeds
+        for name, keys in (("audit", AUDIT_KEYS + TRUTH_KEYS), ("allocator_state", ALLOCATOR_KEYS)):
+            means, means_seeds = {}, {}
+            for key in keys:  # the steps that logged the key (the audited ones for truth/*)
+                by_seed = {seed: sum(v for _, v in pts) / len(pts) for seed, res in results[abl].items()
+                           if (pts := res["history"].get(key))}
+                if by_seed:
+                    means[key], means_seeds[key] = mean_interval(list(by_seed.values()), confidence), by_seed
+            entry[name], entry[f"{name}_seeds"] = means, means_seeds
         diagrams = {stage: pool_diagrams(history_diagram(res["history"], stage) for res in results[abl].values())
                     for stage in STAGES}
         entry["reliability"] = diagrams if any(diagrams.values()) else None

@@ -92,6 +92,10 @@ def metrics_table(results: dict, pass_k: int, confidence: float = CONFIDENCE, wa
         if st["audit"]:
             entry["audit"] = {k: _json_interval(iv) for k, iv in st["audit"].items()}
             entry["audit_seeds"] = {k: {f"s{s}": v for s, v in by.items()} for k, by in st["audit_seeds"].items()}
+        if st.get("allocator_state"):
+            entry["allocator_state"] = {k: _json_interval(iv) for k, iv in st["allocator_state"].items()}
+            entry["allocator_state_seeds"] = {k: {f"s{s}": v for s, v in by.items()}
+                                              for k, by in st["allocator_state_seeds"].items()}
         if st.get("flips_vs_random") is not None:
             entry["flips_vs_random"] = _json_interval(st["flips_vs_random"])
         if st.get("reliability"):  # pooled over the audits and seeds

@@ -14,7 +14,8 @@ import math
 from typing import Mapping, Sequence
 
 from trace.reporting.report import BASELINE, CONFIDENCE, PAIRED_COLUMNS, arm_statistics, regime_summary
-from trace.reporting.report_sections import _num, accounting_lines, format_interval, predictor_section  # noqa: F401
+from trace.reporting.report_sections import _num, accounting_lines, allocator_state_section, format_interval, \
+    predictor_section  # noqa: F401
 from trace.reporting.statistics import BOOTSTRAP, BOOTSTRAP_RESAMPLES, Interval
 from trace.reporting.verdicts import ALPHA, DEFAULT_MARGIN, FAMILIES, POWER, Verdict, judge
 
@@ -333,6 +334,7 @@ def render_markdown(results: dict, warmup: dict, pass_k: int, links: dict[str, s
             lines.append(f"| {abl} | " + " | ".join(format_interval(au[k], 2) if k in au else "nan" for k in keys)
                          + " |")
         lines += predictor_section(arms, audited)
+    lines += allocator_state_section(arms, order)
     lines += [""]
     if plots:
         lines += ["Plots: " + ", ".join(f"`{name}`" for name in plots) + ".", ""]

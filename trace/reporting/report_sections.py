@@ -10,7 +10,18 @@ from trace.predictor.reliability import diagram_ece
 from trace.reporting.report import TRUTH_SCORES
 from trace.reporting.statistics import Interval
 
-__all__ = ["accounting_lines", "format_interval", "predictor_section"]
+__all__ = ["accounting_lines", "allocator_state_section", "format_interval", "predictor_section"]
+
+# what each per-step allocator metric means, in the report's words
+ALLOCATOR_WORDS = {
+    "greso/skipped": "candidates skipped a step", "greso/refilled": "skipped candidates given rollouts back a step",
+    "greso/p_easy": "keep probability of all-correct prompts", "greso/p_hard": "keep probability of all-wrong prompts",
+    "mopps/known_prompts": "prompts with a posterior", "mopps/selected_seen": "share of the chosen prompts seen before",
+    "mopps/selected_posterior_mean": "posterior mean success of the chosen prompts",
+    "vip/forecast_brier": "Brier score of its forecasts on the step's outcomes",
+    "vip/mean_forecast": "mean forecast success", "vip/active_prompts": "prompts given rollouts a step",
+    "allocation/explore_groups": "exploration groups a step (`allocation.explore_groups`)",
+}
 
 
 def _num(value: float, digits: int, sign: bool = False) -> str:
@@ -64,6 +75,22 @@ def predictor_section(arms: dict, order: Sequence[str]) -> list[str]:
     if costs:
         lines += ["", "Rollouts outside the budget, never trained on (mean per step that ran them): " + "; ".join(costs)
                   + "."]
+    return lines
+
+
+def allocator_state_section(arms: dict, order: Sequence[str]) -> list[str]:
+    """The "Allocator state" section: what the allocators that keep per-prompt state (``greso``, ``mopps``,
+    ``vip``) and the exploration groups did, as the mean per step of their logged metrics (mean over steps, then
+    over seeds ± 95 % t half-width); no lines when no arm logged one."""
+    rows = [(a, key, iv) for a in order for key, iv in arms[a].get("allocator_state", {}).items()]
+    if not rows:
+        return []
+    lines = ["", "## Allocator state", "",
+             "What the allocators that read a prompt's own past outcomes did (they act only on prompts that recur: "
+             "`train.prompt_pool`), mean per step over the steps, then over seeds.", "",
+             "| ablation | metric | what it counts | per step |", "|---|---|---|---:|"]
+    for abl, key, iv in rows:
+        lines.append(f"| {abl} | `{key}` | {ALLOCATOR_WORDS.get(key, '')} | {format_interval(iv, 3)} |")
     return lines
 
 
