@@ -4,6 +4,7 @@ and seeds, drawn into the report and the run's MLflow images."""
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 
 import numpy as np
@@ -11,8 +12,8 @@ import pytest
 
 from trace.predictor.ground_truth import reliability_diagram
 from trace.predictor.calibration import expected_calibration_error
-from trace.predictor.reliability import diagram_ece, diagram_metrics, draw_reliability, history_diagram, \
-    is_diagram_key, pool_diagrams
+from trace.predictor.reliability import audit_diagrams, diagram_ece, diagram_metrics, draw_reliability, \
+    history_diagram, is_diagram_key, pool_diagrams, pooled_ece_interval
 
 
 def _audit(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -42,6 +43,35 @@ def test_pooling_the_audits_of_a_run_is_the_diagram_of_their_union():
     union = [np.concatenate([a[i] for a in audits.values()]) for i in range(3)]
     _close(history_diagram(_history(audits), "prefix"), reliability_diagram(*union, num_bins=10))
     assert history_diagram(_history(audits), "root") == []  # the other stage: nothing audited
+
+
+def test_each_audit_is_its_own_diagram_and_they_pool_to_the_runs():
+    rng = np.random.default_rng(4)
+    audits = {30: _audit(rng, 40), 10: _audit(rng, 25), 20: _audit(rng, 60)}
+    per_audit = audit_diagrams(_history(audits), "prefix")
+    assert len(per_audit) == 3
+    for rows, step in zip(per_audit, (10, 20, 30)):  # in step order
+        _close(rows, reliability_diagram(*audits[step], num_bins=10))
+    _close(pool_diagrams(per_audit), history_diagram(_history(audits), "prefix"))
+    assert audit_diagrams(_history(audits), "root") == []
+
+
+def test_the_pooled_ece_interval_resamples_the_audits():
+    rng = np.random.default_rng(6)
+    diagrams = audit_diagrams(_history({s: _audit(rng, 30) for s in range(12)}), "prefix")
+    low, high = pooled_ece_interval(diagrams, resamples=500)
+    assert low < diagram_ece(pool_diagrams(diagrams)) < high and high - low > 0.01
+    assert pooled_ece_interval(diagrams, resamples=500) == (low, high)  # deterministic
+    # audits that agree leave nothing to resample: the interval is the point
+    same = [diagrams[0]] * 6
+    assert pooled_ece_interval(same, resamples=200) == pytest.approx((diagram_ece(diagrams[0]),) * 2)
+    # a wider spread between audits gives a wider interval: half the audits over-, half under-confident
+    ok = audit_diagrams(_history({s: _audit(rng, 30) for s in range(6)}), "prefix")
+    skewed = [[{**r, "realised_rate": min(1.0, r["realised_rate"] + 0.3)} for r in d] for d in ok[:3]] + \
+        [[{**r, "realised_rate": max(0.0, r["realised_rate"] - 0.3)} for r in d] for d in ok[3:]]
+    narrow, wide = pooled_ece_interval(ok, resamples=500), pooled_ece_interval(skewed, resamples=500)
+    assert wide[1] - wide[0] > narrow[1] - narrow[0]
+    assert all(math.isnan(x) for x in pooled_ece_interval(diagrams[:1]))
 
 
 def test_pooling_seeds_is_the_diagram_of_every_seed_together():
@@ -128,13 +158,17 @@ def test_the_report_pools_each_arms_diagrams_and_draws_them(tmp_path: Path):
     first = expected[0]
     seeds = {s: diagram_ece(history_diagram(r["history"], "root")) for s, r in results["trace"].items()}
     assert stats["trace"]["pooled_ece_seeds"]["root"] == seeds
-    assert (f"| trace | root | {diagram_ece(expected):.3f} | s0 {seeds[0]:.3f}, s1 {seeds[1]:.3f}, s2 {seeds[2]:.3f} | "
+    low, high = pooled_ece_interval([d for r in results["trace"].values() for d in audit_diagrams(r["history"], "root")])
+    assert stats["trace"]["pooled_ece_interval"]["root"] == (low, high) and low < diagram_ece(expected) < high
+    assert (f"| trace | root | {diagram_ece(expected):.3f} [{low:.3f}, {high:.3f}] | s0 {seeds[0]:.3f}, "
+            f"s1 {seeds[1]:.3f}, s2 {seeds[2]:.3f} | "
             f"{first['mean_forecast']:.2f} -> "
             f"{first['realised_rate']:.2f} ({first['count']:,.0f});" in text)
     table = metrics_table(results, 2)["trace"]
     assert table["reliability"]["root"][0]["count"] == first["count"]
     assert table["pooled_ece"] == {"root": pytest.approx(diagram_ece(expected)), "prefix": None}
     assert table["pooled_ece_seeds"]["root"] == {f"s{s}": pytest.approx(v) for s, v in seeds.items()}
+    assert table["pooled_ece_interval"] == {"root": {"low": low, "high": high}, "prefix": {"low": None, "high": None}}
     assert RELIABILITY_PLOT in [p.name for p in write_plots(results, tmp_path)]
     assert RELIABILITY_PLOT not in [p.name for p in write_plots(THREE_SEEDS, tmp_path)]  # stale one removed
     assert not (tmp_path / RELIABILITY_PLOT).exists()

@@ -20,8 +20,8 @@ import re
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-__all__ = ["STAGES", "diagram_ece", "diagram_metrics", "draw_reliability", "history_diagram", "is_diagram_key",
-           "pool_diagrams"]
+__all__ = ["STAGES", "audit_diagrams", "diagram_ece", "diagram_metrics", "draw_reliability", "history_diagram",
+           "is_diagram_key", "pool_diagrams", "pooled_ece_interval"]
 
 STAGES = ("root", "prefix")
 FIELDS = {"outcomes": "count", "forecast": "mean_forecast", "realised": "realised_rate"}
@@ -71,6 +71,64 @@ def _rows(cells: Mapping[int, list[float]], num_bins: int) -> list[dict[str, flo
     return rows
 
 
+def audit_diagrams(history: Mapping[str, Sequence[tuple[int, float]]], stage: str,
+                   num_bins: int = 10) -> list[list[dict[str, float]]]:
+    """Each audited step's diagram of ``stage`` in a run's metric ``history``, in step order (``history_diagram``
+    pools them)."""
+    out = []
+    for _, bins in sorted(_audit_cells(history, stage).items()):
+        cells = {b: [c["outcomes"], c["outcomes"] * c["forecast"], c["outcomes"] * c["realised"]]
+                 for b, c in bins.items()}
+        if cells:
+            out.append(_rows(cells, num_bins))
+    return out
+
+
+def _audit_cells(history: Mapping[str, Sequence[tuple[int, float]]], stage: str) -> dict[int, dict[int, dict]]:
+    """``{step: {bin: {"outcomes", "forecast", "realised"}}}`` of the complete, non-empty bins of ``stage``."""
+    per_step: dict[int, dict[int, dict[str, float]]] = {}
+    for key, points in history.items():
+        match = _KEY.match(key)
+        if match is None or match.group(1) != stage:
+            continue
+        for step, value in points:
+            per_step.setdefault(int(step), {}).setdefault(int(match.group(2)), {})[match.group(3)] = float(value)
+    return {step: {b: c for b, c in bins.items() if len(c) == len(FIELDS) and c["outcomes"] > 0}
+            for step, bins in per_step.items()}
+
+
+def pooled_ece_interval(diagrams: Sequence[Sequence[Mapping[str, float]]], confidence: float = 0.95,
+                        resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A percentile bootstrap interval of the pooled ECE (``diagram_ece`` of ``pool_diagrams``) over audits.
+
+    Each resample draws as many audit diagrams as given, with replacement (the audits of every seed are the units;
+    audits of one run are treated as exchangeable), pools them and scores the pool. It shows how far the pooled ECE
+    of this many audits moves with which audits were drawn; like the ECE itself it is biased upward by the noise
+    of each bin's realised rate.
+
+    Args:
+        diagrams: (A,) per-audit diagrams (``audit_diagrams``), A >= 2.
+        confidence: interval coverage.
+        resamples: bootstrap resamples.
+        seed: the resampling generator's seed (the interval is deterministic).
+
+    Returns:
+        ``(low, high)``; ``(nan, nan)`` with fewer than 2 diagrams.
+
+    References:
+        Efron and Tibshirani (1993), An Introduction to the Bootstrap, ch. 13 (percentile intervals).
+    """
+    import numpy as np
+
+    if len(diagrams) < 2:
+        return float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    draws = rng.integers(0, len(diagrams), size=(resamples, len(diagrams)))
+    scores = np.array([diagram_ece(pool_diagrams(diagrams[i] for i in row)) for row in draws])
+    tail = (1.0 - confidence) / 2.0
+    return float(np.quantile(scores, tail)), float(np.quantile(scores, 1.0 - tail))
+
+
 def history_diagram(history: Mapping[str, Sequence[tuple[int, float]]], stage: str,
                     num_bins: int = 10) -> list[dict[str, float]]:
     """A run's diagram of ``stage`` pooled over every audited step of its metric ``history``.
@@ -85,16 +143,9 @@ def history_diagram(history: Mapping[str, Sequence[tuple[int, float]]], stage: s
         ``reliability_diagram``-shaped rows (``lower``, ``upper``, ``count``, ``mean_forecast``,
         ``realised_rate``, ``std_error``), bins with outcomes only; empty when nothing was audited.
     """
-    per_step: dict[tuple[int, int], dict[str, float]] = {}
-    for key, points in history.items():
-        match = _KEY.match(key)
-        if match is None or match.group(1) != stage:
-            continue
-        for step, value in points:
-            per_step.setdefault((int(match.group(2)), int(step)), {})[match.group(3)] = float(value)
     cells: dict[int, list[float]] = {}
-    for (b, _), cell in per_step.items():
-        if len(cell) == len(FIELDS) and cell["outcomes"] > 0:
+    for _, bins in sorted(_audit_cells(history, stage).items()):
+        for b, cell in bins.items():
             acc = cells.setdefault(b, [0.0, 0.0, 0.0])
             acc[0] += cell["outcomes"]
             acc[1] += cell["outcomes"] * cell["forecast"]

@@ -17,7 +17,8 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
-from trace.predictor.reliability import STAGES, diagram_ece, history_diagram, is_diagram_key, pool_diagrams
+from trace.predictor.reliability import STAGES, audit_diagrams, diagram_ece, history_diagram, is_diagram_key, \
+    pool_diagrams, pooled_ece_interval
 from trace.reporting.report_questions import bootstrap_against, bootstrap_gain
 from trace.reporting.statistics import Interval, crossing_target, mean_interval, paired_difference, target_refusal, \
     tokens_to_target_censored
@@ -268,7 +269,8 @@ def arm_statistics(results: dict, pass_k: int, confidence: float = CONFIDENCE,
         (what greso, mopps and vip did a step, the exploration groups), "flips_vs_random": ``flips_ratio`` (None for ``tree_random``),
         "reliability": {"root", "prefix": rows} pooled over the audits and seeds
         (``trace.predictor.reliability``) or None, "pooled_ece_seeds": {stage: {seed: ECE of the seed's pooled
-        diagram}}}}}``.
+        diagram}}, "pooled_ece_interval": {stage: (low, high) of ``pooled_ece_interval`` over every audit of every
+        seed} or None}}}``.
 
     References:
         docs/method.md, "Statistics over seeds".
@@ -316,6 +318,9 @@ def arm_statistics(results: dict, pass_k: int, confidence: float = CONFIDENCE,
         entry["reliability"] = diagrams if any(diagrams.values()) else None
         entry["pooled_ece_seeds"] = {stage: {seed: diagram_ece(history_diagram(res["history"], stage))
                                              for seed, res in results[abl].items()} for stage in STAGES}
+        entry["pooled_ece_interval"] = {stage: pooled_ece_interval(
+            [d for res in results[abl].values() for d in audit_diagrams(res["history"], stage)], confidence)
+            for stage in STAGES} if entry["reliability"] else None
         arms[abl] = entry
     for abl, entry in arms.items():  # stage 2 against random anchors at the same budget, paired by seed
         entry["flips_vs_random"] = flips_ratio(entry, arms.get(RANDOM_ANCHORS), confidence) if abl != RANDOM_ANCHORS \

@@ -104,5 +104,8 @@ def metrics_table(results: dict, pass_k: int, confidence: float = CONFIDENCE, wa
             entry["pooled_ece"] = {stage: _clean(diagram_ece(rows)) for stage, rows in st["reliability"].items()}
             entry["pooled_ece_seeds"] = {stage: {f"s{s}": _clean(v) for s, v in by.items()}
                                          for stage, by in st["pooled_ece_seeds"].items()}
+            if st.get("pooled_ece_interval"):  # a percentile bootstrap over the audits
+                entry["pooled_ece_interval"] = {stage: {"low": _clean(low), "high": _clean(high)}
+                                                for stage, (low, high) in st["pooled_ece_interval"].items()}
         out[abl] = entry
     return out

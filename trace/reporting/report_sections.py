@@ -104,13 +104,17 @@ def _reliability_lines(arms: dict, scored: Sequence[str]) -> list[str]:
     lines = ["", "Reliability diagrams (`reliability.png`), pooled over the audited steps and seeds: per forecast bin, "
              "mean forecast -> realised rate (outcomes). A calibrated predictor has the two equal in every bin. "
              "Pooled ECE: the ECE of that union (the table above averages per-audit ECEs, each over a few dozen "
-             "items, which a calibrated but unsharp predictor also scores well above 0).", "",
+             "items, which a calibrated but unsharp predictor also scores well above 0), with a 95 % percentile "
+             "bootstrap interval over the audits of every seed (`pooled_ece_interval`).", "",
              "| ablation | stage | pooled ECE | per seed | bins |", "|---|---|---:|---|---|"]
     for abl, stage, diagram in rows:
         cells = "; ".join(f"{_num(r['mean_forecast'], 2)} -> {_num(r['realised_rate'], 2)} ({_num(r['count'], 0)})"
                           for r in diagram)
         seeds = ", ".join(f"s{s} {_num(v, 3)}" for s, v in arms[abl]["pooled_ece_seeds"][stage].items())
-        lines.append(f"| {abl} | {stage} | {_num(diagram_ece(diagram), 3)} | {seeds} | {cells} |")
+        interval = (arms[abl].get("pooled_ece_interval") or {}).get(stage)
+        pooled = _num(diagram_ece(diagram), 3) + (f" [{_num(interval[0], 3)}, {_num(interval[1], 3)}]"
+                                                  if interval and math.isfinite(interval[0]) else "")
+        lines.append(f"| {abl} | {stage} | {pooled} | {seeds} | {cells} |")
     return lines
 
 
