@@ -23,7 +23,9 @@ CALIBRATION_REPORTS = {"reliability": "the predictor's forecasts", "recalibrated
                        "isotonic": "isotonic map (`recalibrate_map: isotonic`)"}
 # index key -> the run's exploration groups; the first is the reference, and holds tree_random
 EXPLORATION_REPORTS = {"exploration-base": "none (`trace` as by default)",
-                       "exploration": "2 a step (`allocation.explore_groups: 2`)"}
+                       "exploration": "2 a step (`allocation.explore_groups: 2`)",
+                       "exploration-window4": "2 a step, window of 4 steps (`predictor.window_steps: 4`)",
+                       "exploration-epochs3": "2 a step, 3 epochs a fit (`predictor.epochs: 3`)"}
 AVGK = "eval/accuracy/mean_at_8"
 PLURAL = {"root": "roots", "prefix": "prefixes"}
 
@@ -77,13 +79,17 @@ SCORE_HEADER = ["pooled ECE", "per seed", "per-audit ECE", "AUC", "resolution", 
 
 
 def _calibration_rows(entries: dict[str, dict]) -> list[list[str]]:
-    """One row per (label, stage): the scores of ``SCORE_HEADER`` from an arm's report entry."""
+    """One row per (label, stage): the scores of ``SCORE_HEADER`` from an arm's report entry (the pooled ECE with its
+    bootstrap interval over the audits where the report has one)."""
     rows = []
     for what, entry in entries.items():
         for stage in ("root", "prefix"):
             seeds = _seeds(entry["pooled_ece_seeds"].get(stage))
             audit = entry.get("audit", {})
-            rows.append([what, stage, _num(entry["pooled_ece"].get(stage)),
+            interval = (entry.get("pooled_ece_interval") or {}).get(stage) or {}
+            pooled = _num(entry["pooled_ece"].get(stage)) + (
+                f" [{_num(interval['low'])}, {_num(interval['high'])}]" if interval.get("low") is not None else "")
+            rows.append([what, stage, pooled,
                          ", ".join(f"s{s} {_num(v)}" for s, v in sorted(seeds.items())),
                          _pm(audit.get(f"truth/{stage}_ece")), _pm(audit.get(f"truth/{stage}_auc")),
                          _pm(audit.get(f"truth/{stage}_resolution")), _pm(audit.get(f"truth/{stage}_forecast_mean")),
@@ -118,10 +124,11 @@ def _ratio(numerator: dict[int, float], denominator: dict[int, float]) -> str:
 
 
 def exploration_table(ctx: Context) -> str:
-    """Per run and stage, ``trace``'s scores of ``SCORE_HEADER`` without and with exploration groups; then the
-    second minus the first, paired by seed (pooled ECE, AUC, avg@8, realised mixed groups and flips a step), each
-    run's stage-2 flips over ``tree_random``'s of the reference run (``tree_random`` does not explore, so one run
-    of it serves both), and its integrated forecasts over what was realised."""
+    """Per run and stage, ``trace``'s scores of ``SCORE_HEADER`` without exploration groups and with them (and the
+    predictor's fit varied); then each later run minus the first, paired by seed (pooled ECE, AUC, avg@8, realised
+    mixed groups and flips a step), each run's stage-2 flips over ``tree_random``'s of the first run
+    (``tree_random`` does not explore, so one run of it serves all), and its integrated forecasts over what was
+    realised."""
     entries = {}
     for key in EXPLORATION_REPORTS:
         folder, metrics = ctx.report(key)
@@ -131,26 +138,37 @@ def exploration_table(ctx: Context) -> str:
         if entry is None or "pooled_ece" not in entry:
             return f"The report of `{key}` has no reliability diagrams of `{ARM}`. " + _source(ctx, folder)
         entries[key] = (folder, entry, metrics)
-    (_, base, base_metrics), (_, explored, _) = entries["exploration-base"], entries["exploration"]
-    random_anchors = base_metrics["ablations"].get("tree_random")
+    reference_key = next(iter(EXPLORATION_REPORTS))
+    reference_folder, reference, reference_metrics = entries[reference_key]
+    random_anchors = reference_metrics["ablations"].get("tree_random")
     if random_anchors is None:
-        return "The report of `exploration-base` has no `tree_random`. " + _source(ctx, entries["exploration-base"][0])
+        return f"The report of `{reference_key}` has no `tree_random`. " + _source(ctx, reference_folder)
     rows = _calibration_rows({EXPLORATION_REPORTS[key]: entry for key, (_, entry, _) in entries.items()})
     note = ("`trace`'s forecasts on the unselected sample against Monte-Carlo truth, 80 steps, seeds 0-2, audited "
-            "every 10 steps, one CPU; columns as in the table above. With exploration groups minus without, paired "
-            "by seed, mean [95 % t-interval]: " + "; ".join(_paired_scores(explored, base)))
-    for what, key in (("realised mixed groups a step", "audit/mixed_groups"), ("stage-2 flips a step", "audit/flips")):
-        note += f"; {what} " + _interval(paired_difference(_per_seed(explored, key), _per_seed(base, key)))
+            "every 10 steps, all on one CPU; columns as in the table above, the pooled ECE with its 95 % percentile "
+            "bootstrap interval over the 24 audits (docs/method.md, \"Ground-truth audit\").")
+    for key, (_, entry, _) in list(entries.items())[1:]:
+        diffs = _paired_scores(entry, reference)
+        for what, name in (("realised mixed groups a step", "audit/mixed_groups"),
+                           ("stage-2 flips a step", "audit/flips")):
+            diffs.append(f"{what} " + _interval(paired_difference(_per_seed(entry, name), _per_seed(reference, name))))
+        note += (f" {_label(key)} minus {_label(reference_key)}, paired by seed, mean [95 % t-interval]: "
+                 + "; ".join(diffs) + ".")
     flips_random = _per_seed(random_anchors, "audit/flips")
     parts = []
     for key, (_, entry, _) in entries.items():
         integrated = ", ".join(f"{name.replace('_', ' ')} " + _ratio(_per_seed(entry, f"audit/integrated_{name}"),
                                                                      _per_seed(entry, f"audit/{name}"))
                                for name in ("mixed_groups", "flips"))
-        parts.append(f"{EXPLORATION_REPORTS[key].split(' (')[0]}: stage-2 flips over `tree_random`'s "
-                     f"{_ratio(_per_seed(entry, 'audit/flips'), flips_random)}; integrated forecast over realised, "
+        flips = _ratio(_per_seed(entry, "audit/flips"), flips_random)
+        parts.append(f"{_label(key)}: stage-2 flips over `tree_random`'s {flips}; integrated forecast over realised, "
                      + integrated)
-    note += ". Per seed, mean [95 % t-interval]: " + "; ".join(parts) + "."
+    note += " Per seed, mean [95 % t-interval]: " + "; ".join(parts) + "."
     sources = " ".join(_source(ctx, folder) for folder, _, _ in entries.values())
     return _table(["exploration groups", "stage"] + SCORE_HEADER, rows, ["---", "---", "---:", "---"] + ["---:"] * 5
                   ) + "\n\n" + note + " " + sources
+
+
+def _label(key: str) -> str:
+    """A run's row label without its parenthesis."""
+    return EXPLORATION_REPORTS[key].split(" (")[0]
