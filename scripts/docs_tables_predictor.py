@@ -41,12 +41,11 @@ def _interval(iv) -> str:
     return f"{_num(mean, 3, True)} [{_num(iv.low, 3, True)}, {_num(iv.high, 3, True)}]"
 
 
-def calibration_table(ctx: Context) -> str:
-    """Per report and stage: pooled ECE (and per seed), the mean per-audit ECE, AUC, resolution, forecast and realised
-    means; then each recalibrated run minus the predictor's own, paired by seed, in pooled ECE, AUC, stage-2 flips
-    over random anchors and held-out avg@8."""
+def _audited_reports(ctx: Context, keys) -> dict[str, tuple[str, dict, dict]] | str:
+    """``{index key: (folder, trace's report entry, metrics.json)}`` for each key, or the docs text that says which
+    report is missing or has no reliability diagrams of ``trace``."""
     entries = {}
-    for key in CALIBRATION_REPORTS:
+    for key in keys:
         folder, metrics = ctx.report(key)
         if metrics is None:
             return _missing(ctx, key)
@@ -54,7 +53,18 @@ def calibration_table(ctx: Context) -> str:
         if entry is None or "pooled_ece" not in entry:
             return (f"The report of `{key}` has no reliability diagrams of `{ARM}` (`predictor.truth.every: 0`, or "
                     "written before they were logged). " + _source(ctx, folder))
-        entries[key] = (folder, entry)
+        entries[key] = (folder, entry, metrics)
+    return entries
+
+
+def calibration_table(ctx: Context) -> str:
+    """Per report and stage: pooled ECE (and per seed), the mean per-audit ECE, AUC, resolution, forecast and realised
+    means; then each recalibrated run minus the predictor's own, paired by seed, in pooled ECE, AUC, stage-2 flips
+    over random anchors and held-out avg@8."""
+    loaded = _audited_reports(ctx, CALIBRATION_REPORTS)
+    if isinstance(loaded, str):
+        return loaded
+    entries = {key: (folder, entry) for key, (folder, entry, _) in loaded.items()}
     rows = _calibration_rows({CALIBRATION_REPORTS[key]: entry for key, (_, entry) in entries.items()})
     own = entries["reliability"][1]
     note = ("`trace`'s forecasts on the unselected sample against Monte-Carlo truth, 80 steps, seeds 0-2, audited "
@@ -129,15 +139,9 @@ def exploration_table(ctx: Context) -> str:
     mixed groups and flips a step), each run's stage-2 flips over ``tree_random``'s of the first run
     (``tree_random`` does not explore, so one run of it serves all), and its integrated forecasts over what was
     realised."""
-    entries = {}
-    for key in EXPLORATION_REPORTS:
-        folder, metrics = ctx.report(key)
-        if metrics is None:
-            return _missing(ctx, key)
-        entry = metrics["ablations"].get(ARM)
-        if entry is None or "pooled_ece" not in entry:
-            return f"The report of `{key}` has no reliability diagrams of `{ARM}`. " + _source(ctx, folder)
-        entries[key] = (folder, entry, metrics)
+    entries = _audited_reports(ctx, EXPLORATION_REPORTS)
+    if isinstance(entries, str):
+        return entries
     reference_key = next(iter(EXPLORATION_REPORTS))
     reference_folder, reference, reference_metrics = entries[reference_key]
     random_anchors = reference_metrics["ablations"].get("tree_random")
