@@ -148,9 +148,11 @@ def exploration_table(ctx: Context) -> str:
     if random_anchors is None:
         return f"The report of `{reference_key}` has no `tree_random`. " + _source(ctx, reference_folder)
     rows = _calibration_rows({EXPLORATION_REPORTS[key]: entry for key, (_, entry, _) in entries.items()})
-    note = ("`trace`'s forecasts on the unselected sample against Monte-Carlo truth, 80 steps, seeds 0-2, audited "
-            "every 10 steps, all on one CPU; columns as in the table above, the pooled ECE with its 95 % percentile "
-            "bootstrap interval over the 24 audits (docs/method.md, \"Ground-truth audit\").")
+    seeds = "; ".join(f"{_label(key)} {_seed_range(entry)}" for key, (_, entry, _) in entries.items())
+    note = ("`trace`'s forecasts on the unselected sample against Monte-Carlo truth, 80 steps, audited every 10 "
+            f"steps, all on one CPU, at seeds {seeds}; columns as in the table above, the pooled ECE with its 95 % "
+            "percentile bootstrap interval over every audit of every seed (docs/method.md, \"Ground-truth "
+            "audit\"). Paired differences are over the seeds both runs have.")
     for key, (_, entry, _) in list(entries.items())[1:]:
         diffs = _paired_scores(entry, reference)
         for what, name in (("realised mixed groups a step", "audit/mixed_groups"),
@@ -171,6 +173,13 @@ def exploration_table(ctx: Context) -> str:
     sources = " ".join(_source(ctx, folder) for folder, _, _ in entries.values())
     return _table(["exploration groups", "stage"] + SCORE_HEADER, rows, ["---", "---", "---:", "---"] + ["---:"] * 5
                   ) + "\n\n" + note + " " + sources
+
+
+def _seed_range(entry: dict) -> str:
+    """``0-5`` (or ``0, 2``) for the seeds of an arm's report entry."""
+    seeds = sorted(_seeds(entry["pooled_ece_seeds"].get("root")))
+    contiguous = len(seeds) > 2 and seeds == list(range(seeds[0], seeds[-1] + 1))
+    return f"{seeds[0]}-{seeds[-1]}" if contiguous else ", ".join(map(str, seeds))
 
 
 def _label(key: str) -> str:
