@@ -210,18 +210,20 @@ def allocate_step(arm: Arm, candidates: Sequence, sampler: StepSampler, acfg,
     t0 = time.perf_counter()
     rule_sampled: list[RolloutTree] = []
 
+    explore = exploration_draw(arm, len(candidates), getattr(acfg, "explore_groups", 0), rng_for)
+    rest = np.setdiff1d(np.arange(len(candidates)), explore) if explore.size else np.arange(len(candidates))
+    reserved = int(explore.size) * acfg.group_size  # root rollouts of the exploration groups
+    rest_keys = [tie_keys[i] for i in rest]
+
     def sample_groups(cand_idx: np.ndarray, n: int, salt: str) -> list[RolloutTree]:
-        trees = sampler.sample_roots([candidates[i] for i in cand_idx], [n] * len(cand_idx), salt)
+        # the rule indexes the candidates it was given: those outside the exploration groups
+        trees = sampler.sample_roots([candidates[rest[i]] for i in cand_idx], [n] * len(cand_idx), salt)
         rule_sampled.extend(trees)
         return trees
 
     def sample_more(trees: Sequence[RolloutTree], counts: Sequence[int], salt: str) -> None:
         sampler.sample_continuations(trees, {(i, 0): int(k) for i, k in enumerate(counts) if k > 0}, salt)
 
-    explore = exploration_draw(arm, len(candidates), getattr(acfg, "explore_groups", 0), rng_for)
-    rest = np.setdiff1d(np.arange(len(candidates)), explore) if explore.size else np.arange(len(candidates))
-    reserved = int(explore.size) * acfg.group_size  # root rollouts of the exploration groups
-    rest_keys = [tie_keys[i] for i in rest]
     try:
         plan = plan_root_counts(arm, pred[rest], trajectory_budget=acfg.trajectory_budget - reserved,
                                 expansion_ratio=acfg.expansion_ratio, group_size=acfg.group_size,
