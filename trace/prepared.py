@@ -89,8 +89,9 @@ def check_unique_prompt_uids(splits: Mapping[str, Sequence[Prompt]]) -> None:
 
 
 def rl_prompt_pool(train_prompts: Sequence[Prompt], prompt_pool: int | None) -> list[Prompt]:
-    """The prompts RL steps draw their candidates from: the first ``prompt_pool`` prepared training prompts
-    (``train.prompt_pool``; the prepared split is in random order), or all of them for None.
+    """The prompts RL steps draw their candidates from: the first ``prompt_pool`` prepared training prompts in the
+    split's order (``train.prompt_pool``; kgqa's questions are drawn in random order, a data file's rows keep the
+    order ``prepare`` gave them), or all of them for None.
 
     With a pool of P prompts and B candidates a step, every prompt recurs once every P / B steps
     (``trace.training.seeding.candidate_indices`` draws epochs), which the allocators with per-prompt state read.
