@@ -6,6 +6,7 @@ import pytest
 from trace.allocation.arms import get_arm
 from trace.allocation.samplers import SimulatorSampler
 from trace.allocation.step import allocate_step, exploration_draw
+from trace.configuration.params_file import ConfigError
 from trace.configuration.config import AllocationConfig, PredictorConfig, PredictorKind, SimulatorConfig
 from trace.envs.simulator import SimulatorEnvironment
 from trace.predictor.registry import make_predictor
@@ -47,7 +48,7 @@ def test_drawn_candidates_get_a_group_inside_the_budget_whatever_their_forecast(
     assert len(drawn) == 2 and FORECASTS[drawn].max() == 0.0  # this draw shows the point: both forecast at 0
     _, explored = step(arm, 2)
     roots = roots_by_prompt(explored.trees)
-    assert all(roots[candidates[i].prompt_uid] >= ACFG.group_size for i in drawn)
+    assert all(roots[candidates[i].prompt_uid] == ACFG.group_size for i in drawn)
     # the step still spends exactly the budget, all of it trained on
     assert sum(t.num_trajectories() for t in explored.trees) == ACFG.trajectory_budget
     assert explored.sampled_trees is explored.trees
@@ -79,11 +80,21 @@ def test_arms_that_do_not_pass_over_prompts_by_forecast_do_not_explore(arm):
     assert "allocation/explore_groups" not in explored.metrics
 
 
-def test_explore_groups_must_leave_stage_1_a_group():
-    # root budget 16 at T=32, N=1: 3 groups of 4 leave 4 >= m_min=2; 4 groups leave 0
-    AllocationConfig(trajectory_budget=32, num_candidates=8, group_size=4, m_max=8, explore_groups=3)
-    with pytest.raises(ValueError, match="explore_groups=4 x group_size=4 leaves stage 1 less than m_min=2"):
-        AllocationConfig(trajectory_budget=32, num_candidates=8, group_size=4, m_max=8, explore_groups=4)
+def test_explore_groups_are_checked_at_load_against_what_they_leave_each_exploring_arm():
+    from trace.configuration.params_file import load_config
+
+    small = {"allocation.trajectory_budget": 128, "allocation.num_candidates": 8, "allocation.group_size": 4,
+             "allocation.m_min": 4, "allocation.m_max": 8}
+    # trace: root budget 64; 2 groups of 4 leave 56 for 6 candidates, more than 6 x m_max = 48 can take
+    with pytest.raises(ConfigError, match=r"trace after allocation.explore_groups=2 \(left: 6 candidates, 56 root "):
+        load_config("params.yaml", {**small, "allocation.explore_groups": 2, "train.ablations": ["trace"]})
+    load_config("params.yaml", {**small, "allocation.explore_groups": 2, "train.ablations": ["grpo"]})  # no explorer
+    with pytest.raises(ConfigError, match="explore_groups=8 leaves no candidate to stage 1 of num_candidates=8"):
+        load_config("params.yaml", {**small, "allocation.explore_groups": 8, "train.ablations": ["grpo"]})
+    # the default task: 8 groups of 8 would take trace's whole root budget of 64; 7 leave it one group
+    with pytest.raises(ConfigError, match=r"explore_groups=8 x group_size=8 leaves nothing of its root budget 64"):
+        load_config("params.yaml", {"allocation.explore_groups": 8, "train.ablations": ["trace"]})
+    load_config("params.yaml", {"allocation.explore_groups": 7, "train.ablations": ["trace", "trace_root", "pcl"]})
 
 
 def test_no_exploration_keeps_the_params_hash_and_exploration_changes_it():
@@ -96,3 +107,11 @@ def test_no_exploration_keeps_the_params_hash_and_exploration_changes_it():
     default = load_config("params.yaml")
     assert load_config("params.yaml", {"allocation.explore_groups": 0}).params_hash() == default.params_hash()
     assert load_config("params.yaml", {"allocation.explore_groups": 1}).params_hash() != default.params_hash()
+
+
+def test_a_root_rule_that_samples_itself_refuses_exploration_groups(monkeypatch):
+    import trace.allocation.step as step_module
+
+    monkeypatch.setattr(step_module, "EXPLORING_ROOT_RULES", ("trace", "pcl", "dapo"))
+    with pytest.raises(ValueError, match="dapo: root rule 'dapo' samples its own groups and cannot take"):
+        step("dapo", 2)

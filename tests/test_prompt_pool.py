@@ -20,7 +20,11 @@ def test_a_pool_of_p_prompts_recurs_every_p_over_b_steps():
     seen = [set(candidate_indices(pool, b, 0, step)) for step in range(8)]
     for epoch in range(4):  # each epoch draws every prompt of the pool once
         assert seen[2 * epoch] | seen[2 * epoch + 1] == set(range(pool))
-    assert all(max(s) < pool for s in seen)
+    # the study's shape: 1,000 prompts, 32 a step, 160 steps (5.12 epochs; steps straddle epoch boundaries)
+    prompts = rl_prompt_pool([f"p{i}" for i in range(8000)], 1000)
+    drawn = [prompts[i] for step in range(160) for i in candidate_indices(len(prompts), 32, 0, step)]
+    counts = {p: drawn.count(p) for p in set(drawn)}
+    assert set(counts) == set(prompts) and set(counts.values()) == {5, 6}  # every prompt 5 or 6 times, none outside
 
 
 def test_the_params_check_the_pool_and_keep_the_hash_unset():
@@ -36,3 +40,5 @@ def test_the_params_check_the_pool_and_keep_the_hash_unset():
         load_config("params.yaml", {"train.prompt_pool": 9000})
     with pytest.raises(ConfigError, match="allocation.num_candidates=32 exceeds train.prompt_pool=16"):
         load_config("params.yaml", {"train.prompt_pool": 16})
+    with pytest.raises(ConfigError, match="train.probe_prompts=256 exceeds train.prompt_pool=200"):
+        load_config("params.yaml", {"train.prompt_pool": 200, "train.probe_prompts": 256})

@@ -28,7 +28,8 @@ from trace.allocation.prefix_rules import plan_expansion
 from trace.allocation.registry import Arm, get_prefix_rule
 from trace.tree import RolloutTree
 
-__all__ = ["EXPLORING_ROOT_RULES", "AnchorChoice", "StepSampler", "StepResult", "allocate_step", "exploration_draw"]
+__all__ = ["EXPLORING_ROOT_RULES", "AnchorChoice", "StepSampler", "StepResult", "allocate_step", "exploration_draw",
+           "explores"]
 
 # root rules that pass over candidates by forecast, so their predictor sees few outcomes of the prompts it ranks low
 EXPLORING_ROOT_RULES = ("trace", "pcl")
@@ -153,6 +154,12 @@ def _expand(arm: Arm, trees: list[RolloutTree], counts: np.ndarray, expansion_bu
     return unspent
 
 
+def explores(arm: Arm) -> bool:
+    """Whether ``allocation.explore_groups`` applies to ``arm``: its root rule is one of ``EXPLORING_ROOT_RULES`` and
+    it allocates on the predictor's forecasts."""
+    return arm.root_rule in EXPLORING_ROOT_RULES and arm.scores == "predictor"
+
+
 def exploration_draw(arm: Arm, num_candidates: int, explore_groups: int,
                      rng_for: Callable[[str], np.random.Generator]) -> np.ndarray:
     """The candidates that get exploration groups (``allocation.explore_groups``) this step.
@@ -164,7 +171,7 @@ def exploration_draw(arm: Arm, num_candidates: int, explore_groups: int,
         (k,) int64 sorted candidate indices, ``k = min(explore_groups, num_candidates)`` (0 where the arm does not
         explore).
     """
-    if not explore_groups or arm.root_rule not in EXPLORING_ROOT_RULES or arm.scores != "predictor":
+    if not explore_groups or not explores(arm):
         return np.zeros(0, dtype=np.int64)
     k = min(int(explore_groups), int(num_candidates))
     return np.sort(rng_for("explore").choice(num_candidates, size=k, replace=False)).astype(np.int64)
@@ -246,6 +253,9 @@ def allocate_step(arm: Arm, candidates: Sequence, sampler: StepSampler, acfg,
         if key in plan.info:
             metrics[f"allocation/root_{key}"] = float(plan.info[key])
     metrics.update(plan.metrics)
+    if plan.trees is not None and explore.size:  # its trees would leave the exploration groups unsampled
+        raise ValueError(f"{arm.name}: root rule {arm.root_rule!r} samples its own groups and cannot take "
+                         "allocation.explore_groups; remove it from EXPLORING_ROOT_RULES or set explore_groups: 0")
     if plan.trees is not None:  # the root rule sampled its own groups
         trees, sampled_trees = list(plan.trees), list(plan.sampled_trees)
         counts = np.array([t.num_trajectories() for t in trees], dtype=np.int64)

@@ -133,10 +133,9 @@ class AllocationConfig(Section):
         if self.m_max < self.knapsack_m_min:
             raise ValueError(f"allocation.m_max={self.m_max} < knapsack_m_min={self.knapsack_m_min}: "
                              "set m_max >= knapsack_m_min")
-        if self.explore_groups and self.explore_groups * self.group_size > self.root_budget - self.m_min:
-            raise ValueError(
-                f"allocation.explore_groups={self.explore_groups} x group_size={self.group_size} leaves stage 1 less "
-                f"than m_min={self.m_min} of the root budget {self.root_budget}: lower explore_groups")
+        if self.explore_groups >= self.num_candidates:
+            raise ValueError(f"allocation.explore_groups={self.explore_groups} leaves no candidate to stage 1 of "
+                             f"num_candidates={self.num_candidates}: lower explore_groups")
         if self.root_budget < self.m_min:
             raise ValueError(
                 f"allocation.trajectory_budget={self.trajectory_budget} with expansion_ratio="

@@ -9,10 +9,12 @@ from __future__ import annotations
 from trace.allocation.arms import get_arm, root_budget_for
 from trace.allocation.registry import get_root_rule
 from trace.allocation.root import check_root_budget_feasible
+from trace.allocation.step import explores
 
 
 def check_root_budgets(cfg) -> None:
-    """Every arm in ``train.ablations`` that solves stage 1 can split its root budget.
+    """Every arm in ``train.ablations`` that solves stage 1 can split its root budget (for an arm that explores, what
+    ``allocation.explore_groups`` leaves of it over the other candidates).
 
     Raises:
         ValueError: naming the arm and the budget keys that make its stage 1 infeasible.
@@ -20,16 +22,26 @@ def check_root_budgets(cfg) -> None:
     acfg = cfg.allocation
     for ablation in cfg.train.ablations:
         spec = get_arm(ablation)
+        root_budget = root_budget_for(spec, acfg.trajectory_budget, acfg.expansion_ratio)
+        num_candidates = acfg.num_candidates
+        if acfg.explore_groups and explores(spec):  # the root rule allocates what the exploration groups leave
+            reserved = acfg.explore_groups * acfg.group_size
+            if reserved >= root_budget:
+                raise ValueError(f"train.ablations has {spec.name}: allocation.explore_groups={acfg.explore_groups} x "
+                                 f"group_size={acfg.group_size} leaves nothing of its root budget {root_budget}: "
+                                 "lower explore_groups")
+            root_budget, num_candidates = root_budget - reserved, num_candidates - acfg.explore_groups
         floor_fn = get_root_rule(spec.root_rule).floor
         if floor_fn is None:  # the rule does not solve stage 1
             continue
-        root_budget = root_budget_for(spec, acfg.trajectory_budget, acfg.expansion_ratio)
-        floor, floor_key, allow_skip = floor_fn(acfg.num_candidates, root_budget, acfg.m_min, acfg.knapsack_m_min)
+        floor, floor_key, allow_skip = floor_fn(num_candidates, root_budget, acfg.m_min, acfg.knapsack_m_min)
         try:
-            check_root_budget_feasible(acfg.num_candidates, root_budget, floor, acfg.m_max,
+            check_root_budget_feasible(num_candidates, root_budget, floor, acfg.m_max,
                                        allow_skip=allow_skip, m_min_key=floor_key)
         except ValueError as err:
-            raise ValueError(f"train.ablations has {spec.name}: {err}") from None
+            where = (f" after allocation.explore_groups={acfg.explore_groups} (left: {num_candidates} candidates, "
+                     f"{root_budget} root rollouts)" if num_candidates != acfg.num_candidates else "")
+            raise ValueError(f"train.ablations has {spec.name}{where}: {err}") from None
 
 
 def check_candidate_pool(cfg) -> None:
@@ -38,7 +50,7 @@ def check_candidate_pool(cfg) -> None:
 
     Raises:
         ValueError: naming ``allocation.num_candidates`` and the key that sizes the pool, or ``train.prompt_pool``
-            and the task's key.
+            and the task's key (or ``train.probe_prompts``, whose prompts come from the pool).
     """
     if cfg.task.name.value == "kgqa":
         key, pool = "task.kgqa.num_train", cfg.task.kgqa.num_train
@@ -53,6 +65,9 @@ def check_candidate_pool(cfg) -> None:
             raise ValueError(f"train.prompt_pool={cfg.train.prompt_pool} exceeds {key}={pool} training prompts: "
                              f"lower train.prompt_pool, or leave it unset (null) to draw from all of them")
         key, pool = "train.prompt_pool", cfg.train.prompt_pool
+        if cfg.train.probe_prompts > pool:  # the probe reads the first probe_prompts of the pool
+            raise ValueError(f"train.probe_prompts={cfg.train.probe_prompts} exceeds train.prompt_pool={pool}: the "
+                             "probe reads its prompts from the pool; lower train.probe_prompts or raise the pool")
     if pool is None:
         return
     if cfg.allocation.num_candidates > pool:
