@@ -56,22 +56,24 @@ def test_each_audit_is_its_own_diagram_and_they_pool_to_the_runs():
     assert audit_diagrams(_history(audits), "root") == []
 
 
-def test_the_pooled_ece_interval_resamples_the_audits():
+def test_the_pooled_ece_interval_resamples_runs_then_their_audits():
     rng = np.random.default_rng(6)
-    diagrams = audit_diagrams(_history({s: _audit(rng, 30) for s in range(12)}), "prefix")
-    low, high = pooled_ece_interval(diagrams, resamples=500)
-    assert low < diagram_ece(pool_diagrams(diagrams)) < high and high - low > 0.01
-    assert pooled_ece_interval(diagrams, resamples=500) == (low, high)  # deterministic
+    runs = [audit_diagrams(_history({s: _audit(rng, 30) for s in range(6)}), "prefix") for _ in range(3)]
+    point = diagram_ece(pool_diagrams(d for run in runs for d in run))
+    low, high = pooled_ece_interval(runs, resamples=500)
+    assert low < point < high and high - low > 0.01
+    assert pooled_ece_interval(runs, resamples=500) == (low, high)  # deterministic
     # audits that agree leave nothing to resample: the interval is the point
-    same = [diagrams[0]] * 6
-    assert pooled_ece_interval(same, resamples=200) == pytest.approx((diagram_ece(diagrams[0]),) * 2)
-    # a wider spread between audits gives a wider interval: half the audits over-, half under-confident
-    ok = audit_diagrams(_history({s: _audit(rng, 30) for s in range(6)}), "prefix")
-    skewed = [[{**r, "realised_rate": min(1.0, r["realised_rate"] + 0.3)} for r in d] for d in ok[:3]] + \
-        [[{**r, "realised_rate": max(0.0, r["realised_rate"] - 0.3)} for r in d] for d in ok[3:]]
-    narrow, wide = pooled_ece_interval(ok, resamples=500), pooled_ece_interval(skewed, resamples=500)
-    assert wide[1] - wide[0] > narrow[1] - narrow[0]
-    assert all(math.isnan(x) for x in pooled_ece_interval(diagrams[:1]))
+    same = [[runs[0][0]] * 3] * 3
+    assert pooled_ece_interval(same, resamples=200) == pytest.approx((diagram_ece(runs[0][0]),) * 2)
+    # runs that disagree (one over-, one under-confident, each consistent within) widen it; pooling the same audits
+    # as one run hides that spread
+    shifted = [[[{**r, "realised_rate": min(1.0, max(0.0, r["realised_rate"] + shift))} for r in d] for d in run]
+               for run, shift in zip(runs[:2], (0.25, -0.25))]
+    between, as_one = pooled_ece_interval(shifted, resamples=500), pooled_ece_interval([sum(shifted, [])],
+                                                                                       resamples=500)
+    assert between[1] - between[0] > 1.5 * (as_one[1] - as_one[0])
+    assert all(math.isnan(x) for x in pooled_ece_interval([runs[0][:1], []]))
 
 
 def test_pooling_seeds_is_the_diagram_of_every_seed_together():
@@ -158,7 +160,7 @@ def test_the_report_pools_each_arms_diagrams_and_draws_them(tmp_path: Path):
     first = expected[0]
     seeds = {s: diagram_ece(history_diagram(r["history"], "root")) for s, r in results["trace"].items()}
     assert stats["trace"]["pooled_ece_seeds"]["root"] == seeds
-    low, high = pooled_ece_interval([d for r in results["trace"].values() for d in audit_diagrams(r["history"], "root")])
+    low, high = pooled_ece_interval([audit_diagrams(r["history"], "root") for r in results["trace"].values()])
     assert stats["trace"]["pooled_ece_interval"]["root"] == (low, high) and low < diagram_ece(expected) < high
     assert (f"| trace | root | {diagram_ece(expected):.3f} [{low:.3f}, {high:.3f}] | s0 {seeds[0]:.3f}, "
             f"s1 {seeds[1]:.3f}, s2 {seeds[2]:.3f} | "

@@ -97,34 +97,41 @@ def _audit_cells(history: Mapping[str, Sequence[tuple[int, float]]], stage: str)
             for step, bins in per_step.items()}
 
 
-def pooled_ece_interval(diagrams: Sequence[Sequence[Mapping[str, float]]], confidence: float = 0.95,
+def pooled_ece_interval(runs: Sequence[Sequence[Sequence[Mapping[str, float]]]], confidence: float = 0.95,
                         resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """A percentile bootstrap interval of the pooled ECE (``diagram_ece`` of ``pool_diagrams``) over audits.
+    """A percentile bootstrap interval of the pooled ECE (``diagram_ece`` of ``pool_diagrams``), resampling runs and
+    then audits.
 
-    Each resample draws as many audit diagrams as given, with replacement (the audits of every seed are the units;
-    audits of one run are treated as exchangeable), pools them and scores the pool. It shows how far the pooled ECE
-    of this many audits moves with which audits were drawn; like the ECE itself it is biased upward by the noise
-    of each bin's realised rate.
+    Each resample draws as many runs (seeds) as given, with replacement, and within each drawn run as many of its
+    audit diagrams as it has, with replacement; it pools them all and scores the pool. Runs are the independent
+    units (a run's audits share one policy trajectory); the audits within a run add their own spread. Like the ECE
+    itself, the resampled ECE is biased upward by the noise of each bin's realised rate, so the interval sits above
+    the point.
 
     Args:
-        diagrams: (A,) per-audit diagrams (``audit_diagrams``), A >= 2.
+        runs: (R,) runs, each its (A_r,) per-audit diagrams (``audit_diagrams``); empty runs are dropped.
         confidence: interval coverage.
         resamples: bootstrap resamples.
         seed: the resampling generator's seed (the interval is deterministic).
 
     Returns:
-        ``(low, high)``; ``(nan, nan)`` with fewer than 2 diagrams.
+        ``(low, high)``; ``(nan, nan)`` with fewer than 2 audits in all.
 
     References:
-        Efron and Tibshirani (1993), An Introduction to the Bootstrap, ch. 13 (percentile intervals).
+        Davison and Hinkley (1997), Bootstrap Methods and their Application, section 3.8 (resampling
+        hierarchical data: clusters first, then within them).
     """
     import numpy as np
 
-    if len(diagrams) < 2:
+    runs = [list(r) for r in runs if len(r)]
+    if sum(len(r) for r in runs) < 2:
         return float("nan"), float("nan")
     rng = np.random.default_rng(seed)
-    draws = rng.integers(0, len(diagrams), size=(resamples, len(diagrams)))
-    scores = np.array([diagram_ece(pool_diagrams(diagrams[i] for i in row)) for row in draws])
+    scores = np.empty(resamples)
+    for k in range(resamples):
+        drawn = [runs[i] for i in rng.integers(0, len(runs), size=len(runs))]
+        audits = (run[j] for run in drawn for j in rng.integers(0, len(run), size=len(run)))
+        scores[k] = diagram_ece(pool_diagrams(audits))
     tail = (1.0 - confidence) / 2.0
     return float(np.quantile(scores, tail)), float(np.quantile(scores, 1.0 - tail))
 

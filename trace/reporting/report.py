@@ -269,8 +269,8 @@ def arm_statistics(results: dict, pass_k: int, confidence: float = CONFIDENCE,
         (what greso, mopps and vip did a step, the exploration groups), "flips_vs_random": ``flips_ratio`` (None for ``tree_random``),
         "reliability": {"root", "prefix": rows} pooled over the audits and seeds
         (``trace.predictor.reliability``) or None, "pooled_ece_seeds": {stage: {seed: ECE of the seed's pooled
-        diagram}}, "pooled_ece_interval": {stage: (low, high) of ``pooled_ece_interval`` over every audit of every
-        seed} or None}}}``.
+        diagram}}, "pooled_ece_interval": {stage: (low, high) of ``pooled_ece_interval``, seeds then their audits
+        resampled} or None}}}``.
 
     References:
         docs/method.md, "Statistics over seeds".
@@ -319,7 +319,7 @@ def arm_statistics(results: dict, pass_k: int, confidence: float = CONFIDENCE,
         entry["pooled_ece_seeds"] = {stage: {seed: diagram_ece(history_diagram(res["history"], stage))
                                              for seed, res in results[abl].items()} for stage in STAGES}
         entry["pooled_ece_interval"] = {stage: pooled_ece_interval(
-            [d for res in results[abl].values() for d in audit_diagrams(res["history"], stage)], confidence)
+            [audit_diagrams(res["history"], stage) for res in results[abl].values()], confidence)
             for stage in STAGES} if entry["reliability"] else None
         arms[abl] = entry
     for abl, entry in arms.items():  # stage 2 against random anchors at the same budget, paired by seed
