@@ -87,7 +87,8 @@ def allocator_state_section(arms: dict, order: Sequence[str]) -> list[str]:
         return []
     lines = ["", "## Allocator state", "",
              "What the allocators that read a prompt's own past outcomes did (they act only on prompts that recur: "
-             "`train.prompt_pool`), mean per step over the steps, then over seeds.", "",
+             "`train.prompt_pool`), and the exploration groups (`allocation.explore_groups`): mean per step over the "
+             "steps, then over seeds.", "",
              "| ablation | metric | what it counts | per step |", "|---|---|---|---:|"]
     for abl, key, iv in rows:
         lines.append(f"| {abl} | `{key}` | {ALLOCATOR_WORDS.get(key, '')} | {format_interval(iv, 3)} |")
