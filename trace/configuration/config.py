@@ -16,7 +16,8 @@ from typing import Any, Literal, Optional
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from trace.allocation.arms import ARMS, DIAGNOSTIC_ARMS
-from trace.configuration.config_checks import check_candidate_pool, check_evaluate_split, check_root_budgets
+from trace.configuration.config_checks import check_candidate_pool, check_evaluate_split, check_root_budgets, \
+    check_root_recalibration
 from trace.configuration.config_allocators import ORACLE_SAMPLES, AllocationConfig, GresoConfig, MoppsConfig, \
     ReinforceAdaConfig, VipConfig  # noqa: F401  (re-exported: allocation and its per-rule sections)
 from trace.configuration.config_tasks import KGQAConfig, SimulatorConfig  # noqa: F401  (re-exported: task.kgqa, task.simulator)
@@ -307,6 +308,7 @@ class Config(_Section):
         check_root_budgets(self)
         check_candidate_pool(self)
         check_evaluate_split(self)
+        check_root_recalibration(self)
         return self
 
     @property
@@ -326,7 +328,8 @@ class Config(_Section):
 
         Left out: the arms (``train.ablations``: adding one must not invalidate the others), ``train.steps_per_task``
         (orchestration), ``report`` (how results are judged), ``tracking``, ``launch``; ``predictor.truth`` while
-        off (it never changes what an arm trains), ``predictor.recalibrate`` off (``recalibrate_map`` while ``platt``),
+        off (it never changes what an arm trains), ``predictor.recalibrate`` off (``recalibrate_map`` while ``platt``,
+        ``recalibrate_roots`` while ``window``),
         ``allocation.oracle_samples`` at its default (only ``trace_oracle`` reads it), ``allocation.explore_groups: 0``,
         the token budget's keys and ``train.prompt_pool`` unset, ``warmup.seed`` unset, ``evaluate.split: eval`` and
         ``task.kgqa.num_test: 0`` (as before they existed).
@@ -338,8 +341,9 @@ class Config(_Section):
             data.pop(section, None)
         if not self.predictor.truth.every:  # the audit off: the hash of a run from before the section existed
             data["predictor"].pop("truth")
-        for key in ("recalibrate", "recalibrate_window", "recalibrate_map"):  # off, or the Platt map: as before them
-            if not self.predictor.recalibrate or (key == "recalibrate_map" and data["predictor"][key] == "platt"):
+        for key, default in (("recalibrate", None), ("recalibrate_window", None), ("recalibrate_map", "platt"),
+                             ("recalibrate_roots", "window")):  # off, or at the default: as before them
+            if not self.predictor.recalibrate or data["predictor"][key] == default:
                 data["predictor"].pop(key)
         if self.allocation.oracle_samples == ORACLE_SAMPLES:  # read by trace_oracle alone; as before it existed
             data["allocation"].pop("oracle_samples")

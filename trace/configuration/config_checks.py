@@ -76,6 +76,31 @@ def check_candidate_pool(cfg) -> None:
                          f"allocation.num_candidates or raise {key}")
 
 
+def check_root_recalibration(cfg) -> None:
+    """``predictor.recalibrate_roots: explore`` fits the root map on the exploration groups: the map must be on, and
+    every arm that reads forecasts at stage 1 must draw such groups.
+
+    Raises:
+        ValueError: naming ``predictor.recalibrate``, ``allocation.explore_groups`` or the arm.
+    """
+    if cfg.predictor.recalibrate_roots != "explore":
+        return
+    if not cfg.predictor.recalibrate:
+        raise ValueError("predictor.recalibrate_roots=explore chooses what the root map is fitted on, but "
+                         "predictor.recalibrate is false: set predictor.recalibrate: true, or recalibrate_roots: window")
+    if not cfg.allocation.explore_groups:
+        raise ValueError("predictor.recalibrate_roots=explore fits the root map on the exploration groups, and "
+                         "allocation.explore_groups is 0: set allocation.explore_groups > 0, or recalibrate_roots: "
+                         "window")
+    for ablation in cfg.train.ablations:  # an arm whose stage 1 reads forecasts it draws no such groups for
+        spec = get_arm(ablation)
+        if spec.uses_predictor and spec.scores == "predictor" and spec.root_rule != "uniform" and not explores(spec):
+            raise ValueError(f"train.ablations has {spec.name}, whose stage 1 reads forecasts but draws no exploration "
+                             "groups (its root rule is not in EXPLORING_ROOT_RULES), so predictor.recalibrate_roots="
+                             "explore leaves its root map nothing to fit: drop the arm, or set recalibrate_roots: "
+                             "window")
+
+
 def check_evaluate_split(cfg) -> None:
     """``evaluate.split: test`` reads a test split the task generates: ``task.kgqa.num_test`` questions, at least
     ``evaluate.num_prompts`` of them (a held-out claim on fewer questions than asked for would be silent).

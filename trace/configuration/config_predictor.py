@@ -69,3 +69,7 @@ class PredictorConfig(Section):
     recalibrate_map: Literal["platt", "isotonic"] = Field(
         "platt", description="predictor.recalibrate: platt (logistic in the logits) or isotonic (monotone, knots "
         "every 0.1); trace.training.recalibration")
+    recalibrate_roots: Literal["window", "explore"] = Field(
+        "window", description="predictor.recalibrate: fit the root map on every root group of the window (window), or "
+        "on its exploration groups alone (explore: drawn uniformly, so not selected on the forecast; needs "
+        "allocation.explore_groups > 0)")

@@ -45,7 +45,7 @@ from trace.training.parallel import DataParallelSampler, all_gather_objects, bar
 from trace.sampling import make_rollout_backend, sampling_spec
 from trace.policy.lora import apply_lora
 from trace.training.seeding import candidate_indices, step_rng, step_seed
-from trace.training.recalibration import RecalibratedSampler, logged_maps, map_metrics, step_maps
+from trace.training.recalibration import RecalibratedSampler, exploration_trees, logged_maps, map_metrics, step_maps
 from trace.training.token_budget import budget_spent, crossed_marks
 from trace.tree import RolloutTree
 from trace.tree_io import read_trees, tree_path, write_trees
@@ -226,8 +226,11 @@ class Trainer:
         maps = None
         if cfg.predictor.recalibrate and self.spec.scores != "monte_carlo":  # the maps earlier steps read through
             self.recalibration_used = {**logged_maps(self.history), **self.recalibration_used}
-            maps = self.recalibration_used[step] = step_maps(self.recalibration_used, self.window_trees(
-                step - 1, cfg.predictor.recalibrate_window), cfg.predictor.recalibrate_map)
+            window = self.window_trees(step - 1, cfg.predictor.recalibrate_window)
+            roots = (exploration_trees(window, self.spec, self.train_prompts, acfg, cfg.seed)
+                     if cfg.predictor.recalibrate_roots == "explore" else None)  # the unselected root groups alone
+            maps = self.recalibration_used[step] = step_maps(self.recalibration_used, window,
+                                                             cfg.predictor.recalibrate_map, roots)
         sampler = DataParallelSampler(self._policy_sampler(step, maps=maps), self.tokens_per_trajectory,
                                       rank=self.rank, world_size=self.world_size)  # whole trees per rank, scored alike
         result = allocate_step(self.spec, candidates, sampler, acfg, lambda salt: step_rng(cfg.seed, step, salt),

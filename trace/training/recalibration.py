@@ -50,8 +50,8 @@ from trace.predictor.forecast import ForecastModel, fit_forecast_model
 from trace.reporting.audit import continuation_rewards, root_outcomes
 from trace.tree import Origin, RolloutTree
 
-__all__ = ["IsotonicMap", "RecalibratedSampler", "candidate_outcomes", "fit_isotonic_map", "invert", "logged_maps",
-           "map_metrics", "raw_outcomes", "step_maps"]
+__all__ = ["IsotonicMap", "RecalibratedSampler", "candidate_outcomes", "exploration_trees", "fit_isotonic_map",
+           "invert", "logged_maps", "map_metrics", "raw_outcomes", "step_maps"]
 
 STAGES = ("root", "prefix")
 SHRINK = 8.0  # the prior's weight in items (fit_forecast_model's shrink): a window of a few groups moves it little
@@ -206,7 +206,8 @@ def raw_outcomes(trees: Sequence[RolloutTree], used: Mapping[int, Mapping[str, F
 
 
 def step_maps(used: Mapping[int, Mapping[str, ForecastModel | IsotonicMap]], previous_trees: Sequence[RolloutTree],
-              kind: str = "platt") -> dict[str, ForecastModel | IsotonicMap]:
+              kind: str = "platt", root_trees: Sequence[RolloutTree] | None = None
+              ) -> dict[str, ForecastModel | IsotonicMap]:
     """``{"root": F_t, "prefix": F_t}`` for the step after ``previous_trees`` (module docstring).
 
     Args:
@@ -214,6 +215,8 @@ def step_maps(used: Mapping[int, Mapping[str, ForecastModel | IsotonicMap]], pre
         previous_trees: the trees of the ``predictor.recalibrate_window`` steps before this one (never this step's).
         kind: ``predictor.recalibrate_map``: ``platt`` (``fit_forecast_model``) or ``isotonic``
             (``fit_isotonic_map``).
+        root_trees: the trees the root map is fitted on (``predictor.recalibrate_roots: explore``: the window's
+            exploration groups, ``exploration_trees``); ``None`` = ``previous_trees``.
 
     Returns:
         The map per stage (``shrink=SHRINK``) fitted on the window's forecasts read back to the predictor's; the
@@ -226,7 +229,36 @@ def step_maps(used: Mapping[int, Mapping[str, ForecastModel | IsotonicMap]], pre
     if kind not in fits:
         raise ValueError(f"predictor.recalibrate_map={kind!r} is not one of {sorted(fits)}")
     outcomes = raw_outcomes(previous_trees, used)
+    if root_trees is not None:
+        outcomes["root"] = raw_outcomes(root_trees, used)["root"]
     return {stage: fits[kind](*outcomes[stage], shrink=SHRINK) for stage in STAGES}
+
+
+def exploration_trees(trees: Sequence[RolloutTree], arm: Any, prompts: Sequence[Any], acfg: Any, seed: int
+                      ) -> list[RolloutTree]:
+    """The trees of ``trees`` that were exploration groups (``allocation.explore_groups``): per step, the draw
+    ``allocate_step`` made, made again (the step's candidates, ``candidate_indices``, and its stream
+    ``"explore"``, both functions of the seed and the step alone).
+
+    Args:
+        trees: one arm's trees (each ``tree.step`` >= 0).
+        arm: that arm's ``Arm``.
+        prompts: the training prompts the loop draws candidates from (``train.prompt_pool``'s where set).
+        acfg: the ``allocation`` section (``num_candidates``, ``explore_groups``).
+        seed: the run's seed.
+
+    Returns:
+        The exploration groups' trees, in the order of ``trees``; none where the arm does not explore.
+    """
+    from trace.allocation.step import exploration_draw
+    from trace.training.seeding import candidate_indices, step_rng
+
+    drawn: dict[int, set[str]] = {}
+    for step in sorted({tree.step for tree in trees}):
+        idx = candidate_indices(len(prompts), acfg.num_candidates, seed, step)
+        rng_for = lambda salt, step=step: step_rng(seed, step, salt)  # noqa: E731
+        drawn[step] = {prompts[idx[i]].prompt_uid for i in exploration_draw(arm, len(idx), acfg.explore_groups, rng_for)}
+    return [tree for tree in trees if tree.prompt_uid in drawn[tree.step]]
 
 
 class RecalibratedSampler:
