@@ -230,3 +230,28 @@ def test_the_arm_lists_of_the_docs_are_the_registrys():
         listed = re.search(rf"`{name}\(\)`: ([^)]*)\)", docs)
         assert listed, f"docs/integrations.md no longer lists {name}()"
         assert re.findall(r"`(\w+)`", listed.group(1)) == list(arms)
+
+
+@pytest.mark.parametrize("arm", ["trace_root", "pcl"])
+def test_exploration_groups_go_to_uniformly_drawn_prompts_whatever_their_forecast(arm):
+    from trace.allocation.arms import ARMS
+    from trace.allocation.step import exploration_draw
+    from trace.training.seeding import step_rng
+
+    plain = RolloutAllocator(arm, _config(), seed=4)
+    explored = RolloutAllocator(arm, _config(explore_groups=2), seed=4)
+    for allocator in (plain, explored):
+        _history(allocator)
+    before = plain.allocate(IDS, trajectory_budget=16)
+    after = explored.allocate(IDS, trajectory_budget=16)
+    drawn = exploration_draw(ARMS[arm], 8, 2, lambda salt: step_rng(4, 1, salt))  # the step after _history
+    assert before.counts[drawn].tolist() != [4, 4]  # by forecast alone they get other counts
+    assert after.counts[drawn].tolist() == [4, 4] and after.counts.sum() == 16  # a group each, inside the budget
+    assert after.metrics["allocation/explore_groups"] == 2.0 and "allocation/explore_groups" not in before.metrics
+    # the root rule spent the rest on the other prompts
+    rest = np.setdiff1d(np.arange(8), drawn)
+    assert after.counts[rest].sum() == 8
+    # arms that do not pass over prompts by forecast draw nothing: the same counts as without
+    for other in ("grpo", "knapsack", "mopps"):
+        a, b = RolloutAllocator(other, _config(), seed=4), RolloutAllocator(other, _config(explore_groups=2), seed=4)
+        np.testing.assert_array_equal(a.allocate(IDS).counts, b.allocate(IDS).counts)

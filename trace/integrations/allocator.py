@@ -8,7 +8,9 @@ of what was sampled, feeding the rule's ``AllocatorState`` (GRESO, MoPPS, VIP) a
 per-prompt Beta-Bernoulli success predictor (the ``history`` backend). For arms with stage 2
 (``stage2_arms()``: ``tree_random``, ``treepo``, ``trace_prefix``, ``trace``) it plans the continuations over
 the trees the caller sampled (``plan_continuations``). Everything it keeps between calls is in
-``state_dict()``, strict JSON, so a trainer's checkpoint carries it.
+``state_dict()``, strict JSON, so a trainer's checkpoint carries it. ``allocation.explore_groups`` gives that
+many uniformly drawn candidates a group of ``group_size`` first, for the arms whose root rule passes over
+prompts by forecast (``trace.allocation.step.explores``), as the pipeline's ``allocate_step`` does.
 
 Invariants: a planning rule's counts sum to ``trajectory_budget`` (minus the stage-2 share of arms that
 expand); every count is >= 0 and <= ``count_cap`` (``m_max``; ``vip.n_max`` for ``vip``, which sizes groups by
@@ -32,6 +34,7 @@ from trace.allocation.arms import ARMS, make_allocator_state, plan_root_counts, 
 from trace.allocation.objectives import activation_prob
 from trace.allocation.prefix import split_expansion_budget
 from trace.allocation.prefix_rules import plan_expansion
+from trace.allocation.step import exploration_draw
 from trace.integrations.inputs import SAMPLING_ROOT_RULES, check_outcome, planning_arms, predictor_arms, \
     stage2_arms, whole_budget
 from trace.configuration.config import AllocationConfig, PredictorConfig, PredictorKind
@@ -231,15 +234,22 @@ class RolloutAllocator:
         acfg = self.allocation
         pred = self.predict(ids) if self.arm.uses_predictor else np.full(len(ids), np.nan)
         step = self.step
+        rng_for = lambda purpose: step_rng(self.seed, step, purpose)  # noqa: E731
+        explore = exploration_draw(self.arm, len(ids), acfg.explore_groups, rng_for)  # before any forecast is read
+        rest = np.setdiff1d(np.arange(len(ids)), explore)
+        reserved = int(explore.size) * acfg.group_size
         saved = None if self.rule_state is None else self.rule_state.state_dict()  # greso records candidates
         plan = plan_root_counts(
-            self.arm, pred, trajectory_budget=budget, expansion_ratio=acfg.expansion_ratio,
+            self.arm, pred[rest], trajectory_budget=budget - reserved, expansion_ratio=acfg.expansion_ratio,
             group_size=acfg.group_size, m_min=acfg.m_min, m_max=acfg.m_max, knapsack_m_min=acfg.knapsack_m_min,
-            tie_keys=ids, exact_max_cells=acfg.exact_max_cells, max_retries=acfg.dapo_max_retries,
-            rng_for=lambda purpose: step_rng(self.seed, step, purpose), sample_groups=sample_groups,
-            root_objective=acfg.root_objective, sample_more=sample_more, prompt_uids=ids, prompt_texts=texts,
-            state=self.rule_state, config=acfg)
-        counts = np.asarray(plan.counts, dtype=np.int64)
+            tie_keys=[ids[i] for i in rest], exact_max_cells=acfg.exact_max_cells, max_retries=acfg.dapo_max_retries,
+            rng_for=rng_for, sample_groups=sample_groups, root_objective=acfg.root_objective, sample_more=sample_more,
+            prompt_uids=[ids[i] for i in rest], prompt_texts=[texts[i] for i in rest], state=self.rule_state,
+            config=acfg, root_budget=(root_budget_for(self.arm, budget, acfg.expansion_ratio) - reserved
+                                      if reserved else None))
+        counts = np.zeros(len(ids), dtype=np.int64)
+        counts[rest], counts[explore] = np.asarray(plan.counts, dtype=np.int64), acfg.group_size
+        metrics = {**plan.metrics, **({"allocation/explore_groups": float(explore.size)} if explore.size else {})}
         cap, cap_key = self.count_cap
         if counts.max(initial=0) > cap:  # uniform groups spread over fewer candidates than R // group_size
             if saved is not None:
@@ -249,8 +259,7 @@ class RolloutAllocator:
                              f"{acfg.group_size}): pass more candidates, lower trajectory_budget, or set "
                              f"group_size <= {cap_key}")
         self.last = Allocation(prompt_ids=tuple(ids), counts=counts, pred_success_prob=pred,
-                               expansion_budget=int(plan.expansion_budget), info=dict(plan.info),
-                               metrics=dict(plan.metrics))
+                               expansion_budget=int(plan.expansion_budget), info=dict(plan.info), metrics=metrics)
         self._pending = self.last
         return self.last
 
