@@ -15,7 +15,7 @@ from __future__ import annotations
 from scripts.docs_tables_common import Context, _missing, _num, _pm, _source, _table
 from trace.reporting.statistics import mean_interval, paired_difference
 
-__all__ = ["CALIBRATION_REPORTS", "EXPLORATION_REPORTS", "calibration_table", "exploration_table"]
+__all__ = ["CALIBRATION_REPORTS", "EXPLORATION_PAIRS", "EXPLORATION_REPORTS", "calibration_table", "exploration_table"]
 
 ARM = "trace"
 # index key -> what the allocator reads in that report
@@ -25,7 +25,11 @@ CALIBRATION_REPORTS = {"reliability": "the predictor's forecasts", "recalibrated
 EXPLORATION_REPORTS = {"exploration-base": "none (`trace` as by default)",
                        "exploration": "2 a step (`allocation.explore_groups: 2`)",
                        "exploration-window4": "2 a step, window of 4 steps (`predictor.window_steps: 4`)",
-                       "exploration-epochs3": "2 a step, 3 epochs a fit (`predictor.epochs: 3`)"}
+                       "exploration-epochs3": "2 a step, 3 epochs a fit (`predictor.epochs: 3`)",
+                       "exploration-recalibrated": "2 a step, the root map fitted on them "
+                                                   "(`predictor.recalibrate_roots: explore`)"}
+# index key -> a second reference it is also paired with (what it adds to that run alone)
+EXPLORATION_PAIRS = {"exploration-recalibrated": "exploration"}
 AVGK = "eval/accuracy/mean_at_8"
 PLURAL = {"root": "roots", "prefix": "prefixes"}
 
@@ -160,6 +164,10 @@ def exploration_table(ctx: Context) -> str:
             diffs.append(f"{what} " + _interval(paired_difference(_per_seed(entry, name), _per_seed(reference, name))))
         note += (f" {_label(key)} minus {_label(reference_key)}, paired by seed, mean [95 % t-interval]: "
                  + "; ".join(diffs) + ".")
+        if key in EXPLORATION_PAIRS:
+            base_key = EXPLORATION_PAIRS[key]
+            note += (f" {_label(key)} minus {_label(base_key)}, paired by seed: "
+                     + "; ".join(_paired_scores(entry, entries[base_key][1])) + ".")
     flips_random = _per_seed(random_anchors, "audit/flips")
     parts = []
     for key, (_, entry, _) in entries.items():
