@@ -155,8 +155,8 @@ def exploration_table(ctx: Context) -> str:
     seeds = "; ".join(f"{_label(key)} {_seed_range(entry)}" for key, (_, entry, _) in entries.items())
     note = ("`trace`'s forecasts on the unselected sample against Monte-Carlo truth, 80 steps, audited every 10 "
             f"steps, all on one CPU, at seeds {seeds}; columns as in the table above, the pooled ECE with its 95 % "
-            "percentile bootstrap interval over every audit of every seed (docs/method.md, \"Ground-truth "
-            "audit\"). Paired differences are over the seeds both runs have.")
+            "percentile bootstrap interval that resamples the seeds, then each drawn seed's audits (docs/method.md, "
+            "\"Ground-truth audit\"). Paired differences are over the seeds both runs have.")
     for key, (_, entry, _) in list(entries.items())[1:]:
         diffs = _paired_scores(entry, reference)
         for what, name in (("realised mixed groups a step", "audit/mixed_groups"),

@@ -106,7 +106,7 @@ def _reliability_lines(arms: dict, scored: Sequence[str]) -> list[str]:
              "mean forecast -> realised rate (outcomes). A calibrated predictor has the two equal in every bin. "
              "Pooled ECE: the ECE of that union (the table above averages per-audit ECEs, each over a few dozen "
              "items, which a calibrated but unsharp predictor also scores well above 0), with a 95 % percentile "
-             "bootstrap interval over the audits of every seed (`pooled_ece_interval`).", "",
+             "bootstrap interval that resamples the seeds, then each drawn seed's audits (`pooled_ece_interval`).", "",
              "| ablation | stage | pooled ECE | per seed | bins |", "|---|---|---:|---|---|"]
     for abl, stage, diagram in rows:
         cells = "; ".join(f"{_num(r['mean_forecast'], 2)} -> {_num(r['realised_rate'], 2)} ({_num(r['count'], 0)})"
