@@ -251,6 +251,10 @@ def test_exploration_groups_go_to_uniformly_drawn_prompts_whatever_their_forecas
     # the root rule spent the rest on the other prompts
     rest = np.setdiff1d(np.arange(8), drawn)
     assert after.counts[rest].sum() == 8
+    with pytest.raises(ValueError, match="explore_groups=2 x group_size=4 leaves the root rule of"):
+        explored.allocate(IDS[:2], trajectory_budget=16)  # no candidate left to the rule
+    with pytest.raises(ValueError, match="explore_groups=2 x group_size=4 leaves the root rule of"):
+        explored.allocate(IDS, trajectory_budget=8)  # no trajectory left to it
     # arms that do not pass over prompts by forecast draw nothing: the same counts as without
     for other in ("grpo", "knapsack", "mopps"):
         a, b = RolloutAllocator(other, _config(), seed=4), RolloutAllocator(other, _config(explore_groups=2), seed=4)

@@ -99,7 +99,8 @@ def test_a_run_fits_its_root_map_on_the_exploration_groups_it_drew(tmp_path, mon
                                              trainer.cfg.seed)
     from trace.training.seeding import candidate_indices
 
-    expected = [trainer.train_prompts[candidate_indices(len(trainer.train_prompts), 6, trainer.cfg.seed, s)[i]].prompt_uid
+    prompts = trainer.train_prompts
+    expected = [prompts[candidate_indices(len(prompts), 6, trainer.cfg.seed, s)[i]].prompt_uid
                 for s, drawn in enumerate(runs["explore"][1]) for i in drawn]
     assert [t.prompt_uid for t in picked] == expected and len(expected) == 3
     from trace.reporting.audit import root_rollout_rewards

@@ -238,6 +238,11 @@ class RolloutAllocator:
         explore = exploration_draw(self.arm, len(ids), acfg.explore_groups, rng_for)  # before any forecast is read
         rest = np.setdiff1d(np.arange(len(ids)), explore)
         reserved = int(explore.size) * acfg.group_size
+        root_budget = root_budget_for(self.arm, budget, acfg.expansion_ratio)
+        if explore.size and (explore.size >= len(ids) or reserved >= root_budget):
+            raise ValueError(f"allocation.explore_groups={acfg.explore_groups} x group_size={acfg.group_size} leaves "
+                             f"the root rule of {self.arm.name!r} no candidate or no trajectory of {len(ids)} "
+                             f"candidates and trajectory_budget={budget}: lower explore_groups, or pass more of both")
         saved = None if self.rule_state is None else self.rule_state.state_dict()  # greso records candidates
         plan = plan_root_counts(
             self.arm, pred[rest], trajectory_budget=budget - reserved, expansion_ratio=acfg.expansion_ratio,
@@ -245,8 +250,7 @@ class RolloutAllocator:
             tie_keys=[ids[i] for i in rest], exact_max_cells=acfg.exact_max_cells, max_retries=acfg.dapo_max_retries,
             rng_for=rng_for, sample_groups=sample_groups, root_objective=acfg.root_objective, sample_more=sample_more,
             prompt_uids=[ids[i] for i in rest], prompt_texts=[texts[i] for i in rest], state=self.rule_state,
-            config=acfg, root_budget=(root_budget_for(self.arm, budget, acfg.expansion_ratio) - reserved
-                                      if reserved else None))
+            config=acfg, root_budget=root_budget - reserved if reserved else None)
         counts = np.zeros(len(ids), dtype=np.int64)
         counts[rest], counts[explore] = np.asarray(plan.counts, dtype=np.int64), acfg.group_size
         metrics = {**plan.metrics, **({"allocation/explore_groups": float(explore.size)} if explore.size else {})}

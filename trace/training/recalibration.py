@@ -257,7 +257,8 @@ def exploration_trees(trees: Sequence[RolloutTree], arm: Any, prompts: Sequence[
     for step in sorted({tree.step for tree in trees}):
         idx = candidate_indices(len(prompts), acfg.num_candidates, seed, step)
         rng_for = lambda salt, step=step: step_rng(seed, step, salt)  # noqa: E731
-        drawn[step] = {prompts[idx[i]].prompt_uid for i in exploration_draw(arm, len(idx), acfg.explore_groups, rng_for)}
+        picked = exploration_draw(arm, len(idx), acfg.explore_groups, rng_for)
+        drawn[step] = {prompts[idx[i]].prompt_uid for i in picked}
     return [tree for tree in trees if tree.prompt_uid in drawn[tree.step]]
 
 
