@@ -29,7 +29,7 @@ from trace.allocation.registry import Arm, get_prefix_rule
 from trace.tree import RolloutTree
 
 __all__ = ["EXPLORING_ROOT_RULES", "AnchorChoice", "StepSampler", "StepResult", "allocate_step", "exploration_draw",
-           "explores"]
+           "exploration_split", "explores"]
 
 # root rules that pass over candidates by forecast, so their predictor sees few outcomes of the prompts it ranks low
 EXPLORING_ROOT_RULES = ("trace", "pcl")
@@ -177,6 +177,16 @@ def exploration_draw(arm: Arm, num_candidates: int, explore_groups: int,
     return np.sort(rng_for("explore").choice(num_candidates, size=k, replace=False)).astype(np.int64)
 
 
+def exploration_split(arm: Arm, num_candidates: int, acfg, rng_for: Callable[[str], np.random.Generator]
+                      ) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(explore, rest, reserved)``: the step's exploration groups (``exploration_draw``), the other candidates the
+    root rule allocates over (sorted indices), and the root rollouts the groups take (``explore_groups`` x
+    ``group_size``; 0 where the arm does not explore)."""
+    explore = exploration_draw(arm, num_candidates, getattr(acfg, "explore_groups", 0), rng_for)
+    rest = np.setdiff1d(np.arange(num_candidates), explore) if explore.size else np.arange(num_candidates)
+    return explore, rest, int(explore.size) * acfg.group_size
+
+
 def allocate_step(arm: Arm, candidates: Sequence, sampler: StepSampler, acfg,
                   rng_for: Callable[[str], np.random.Generator], state=None) -> StepResult:
     """Allocate and sample one step's trajectories for ``arm`` over ``candidates``.
@@ -217,9 +227,7 @@ def allocate_step(arm: Arm, candidates: Sequence, sampler: StepSampler, acfg,
     t0 = time.perf_counter()
     rule_sampled: list[RolloutTree] = []
 
-    explore = exploration_draw(arm, len(candidates), getattr(acfg, "explore_groups", 0), rng_for)
-    rest = np.setdiff1d(np.arange(len(candidates)), explore) if explore.size else np.arange(len(candidates))
-    reserved = int(explore.size) * acfg.group_size  # root rollouts of the exploration groups
+    explore, rest, reserved = exploration_split(arm, len(candidates), acfg, rng_for)  # reserved: their root rollouts
     rest_keys = [tie_keys[i] for i in rest]
 
     def sample_groups(cand_idx: np.ndarray, n: int, salt: str) -> list[RolloutTree]:

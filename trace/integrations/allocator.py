@@ -34,7 +34,7 @@ from trace.allocation.arms import ARMS, make_allocator_state, plan_root_counts, 
 from trace.allocation.objectives import activation_prob
 from trace.allocation.prefix import split_expansion_budget
 from trace.allocation.prefix_rules import plan_expansion
-from trace.allocation.step import exploration_draw
+from trace.allocation.step import exploration_split
 from trace.integrations.inputs import SAMPLING_ROOT_RULES, check_outcome, planning_arms, predictor_arms, \
     stage2_arms, whole_budget
 from trace.configuration.config import AllocationConfig, PredictorConfig, PredictorKind
@@ -235,9 +235,7 @@ class RolloutAllocator:
         pred = self.predict(ids) if self.arm.uses_predictor else np.full(len(ids), np.nan)
         step = self.step
         rng_for = lambda purpose: step_rng(self.seed, step, purpose)  # noqa: E731
-        explore = exploration_draw(self.arm, len(ids), acfg.explore_groups, rng_for)  # before any forecast is read
-        rest = np.setdiff1d(np.arange(len(ids)), explore)
-        reserved = int(explore.size) * acfg.group_size
+        explore, rest, reserved = exploration_split(self.arm, len(ids), acfg, rng_for)  # before any forecast is read
         root_budget = root_budget_for(self.arm, budget, acfg.expansion_ratio)
         if explore.size and (explore.size >= len(ids) or reserved >= root_budget):
             raise ValueError(f"allocation.explore_groups={acfg.explore_groups} x group_size={acfg.group_size} leaves "
