@@ -92,9 +92,10 @@ def calibration_table(ctx: Context) -> str:
 SCORE_HEADER = ["pooled ECE", "per seed", "per-audit ECE", "AUC", "resolution", "forecast mean", "realised mean"]
 
 
-def _calibration_rows(entries: dict[str, dict]) -> list[list[str]]:
+def _calibration_rows(entries: dict[str, dict], noise: bool = False) -> list[list[str]]:
     """One row per (label, stage): the scores of ``SCORE_HEADER`` from an arm's report entry (the pooled ECE with its
-    bootstrap interval over the audits where the report has one)."""
+    bootstrap interval over the audits where the report has one); with ``noise``, after the pooled ECE the debiased
+    ECE with its interval and the floor (``trace.predictor.reliability.calibration_noise``)."""
     rows = []
     for what, entry in entries.items():
         for stage in ("root", "prefix"):
@@ -103,7 +104,10 @@ def _calibration_rows(entries: dict[str, dict]) -> list[list[str]]:
             interval = (entry.get("pooled_ece_interval") or {}).get(stage) or {}
             pooled = _num(entry["pooled_ece"].get(stage)) + (
                 f" [{_num(interval['low'])}, {_num(interval['high'])}]" if interval.get("low") is not None else "")
-            rows.append([what, stage, pooled,
+            debiased = (entry.get("debiased_ece_interval") or {}).get(stage) or {}
+            cells = [f"{_num(entry['debiased_ece'][stage])} [{_num(debiased.get('low'))}, {_num(debiased.get('high'))}]",
+                     _num(entry["ece_floor"][stage])] if noise else []
+            rows.append([what, stage, pooled, *cells,
                          ", ".join(f"s{s} {_num(v)}" for s, v in sorted(seeds.items())),
                          _pm(audit.get(f"truth/{stage}_ece")), _pm(audit.get(f"truth/{stage}_auc")),
                          _pm(audit.get(f"truth/{stage}_resolution")), _pm(audit.get(f"truth/{stage}_forecast_mean")),
@@ -151,12 +155,18 @@ def exploration_table(ctx: Context) -> str:
     random_anchors = reference_metrics["ablations"].get("tree_random")
     if random_anchors is None:
         return f"The report of `{reference_key}` has no `tree_random`. " + _source(ctx, reference_folder)
-    rows = _calibration_rows({EXPLORATION_REPORTS[key]: entry for key, (_, entry, _) in entries.items()})
+    stale = [key for key, (_, entry, _) in entries.items() if "debiased_ece" not in entry]
+    if stale:
+        return (f"The reports of {', '.join(f'`{k}`' for k in stale)} have no debiased ECE (written before it): "
+                "write them again with `python -m flows.report` in their runs' checkouts.")
+    rows = _calibration_rows({EXPLORATION_REPORTS[key]: entry for key, (_, entry, _) in entries.items()}, noise=True)
     seeds = "; ".join(f"{_label(key)} {_seed_range(entry)}" for key, (_, entry, _) in entries.items())
     note = ("`trace`'s forecasts on the unselected sample against Monte-Carlo truth, 80 steps, audited every 10 "
             f"steps, all on one CPU, at seeds {seeds}; columns as in the table above, the pooled ECE with its 95 % "
             "percentile bootstrap interval that resamples the seeds, then each drawn seed's audits (docs/method.md, "
-            "\"Ground-truth audit\"). Paired differences are over the seeds both runs have.")
+            "\"Ground-truth audit\"). Debiased ECE: the pooled ECE less the noise of each bin's gap over the seeds, "
+            "with its interval from the same bootstrap; floor: the pooled ECE that a predictor calibrated in every bin "
+            "reads with that noise (`calibration_noise`). Paired differences are over the seeds both runs have.")
     for key, (_, entry, _) in list(entries.items())[1:]:
         diffs = _paired_scores(entry, reference)
         for what, name in (("realised mixed groups a step", "audit/mixed_groups"),
@@ -179,8 +189,8 @@ def exploration_table(ctx: Context) -> str:
                      + integrated)
     note += " Per seed, mean [95 % t-interval]: " + "; ".join(parts) + "."
     sources = " ".join(_source(ctx, folder) for folder, _, _ in entries.values())
-    return _table(["exploration groups", "stage"] + SCORE_HEADER, rows, ["---", "---", "---:", "---"] + ["---:"] * 5
-                  ) + "\n\n" + note + " " + sources
+    header = ["exploration groups", "stage", SCORE_HEADER[0], "debiased ECE", "floor"] + SCORE_HEADER[1:]
+    return _table(header, rows, ["---", "---", "---:", "---:", "---:", "---"] + ["---:"] * 5) + "\n\n" + note + " " + sources
 
 
 def _seed_range(entry: dict) -> str:

@@ -387,6 +387,36 @@ def test_the_calibration_table_pairs_the_recalibrated_run_with_the_predictors_ow
         assert "No committed report yet" in calibration_table(ctx)
 
 
+def test_the_exploration_table_gives_the_debiased_ece_and_its_floor_and_refuses_reports_without_them(tmp_path):
+    from scripts.docs_tables_predictor import EXPLORATION_REPORTS, exploration_table
+
+    iv = lambda mean: {"mean": mean, "low": mean, "high": mean, "n": 3}  # noqa: E731
+    seeds = {"s0": 0.05, "s1": 0.06, "s2": 0.04}
+    entry = {"pooled_ece": {"root": 0.05, "prefix": 0.06}, "pooled_ece_seeds": {"root": seeds, "prefix": seeds},
+             "pooled_ece_interval": {"root": {"low": 0.04, "high": 0.08}, "prefix": {"low": 0.05, "high": 0.09}},
+             "debiased_ece": {"root": 0.043, "prefix": 0.051}, "ece_floor": {"root": 0.014, "prefix": 0.02},
+             "debiased_ece_interval": {"root": {"low": 0.028, "high": 0.065}, "prefix": {"low": 0.03, "high": 0.07}},
+             "audit": {"truth/root_auc": iv(0.7)},
+             "audit_seeds": {k: seeds for k in ("audit/flips", "audit/mixed_groups", "audit/integrated_flips",
+                                                "audit/integrated_mixed_groups")}}
+    index = {}
+    for n, key in enumerate(EXPLORATION_REPORTS):
+        folder = tmp_path / "reports" / "runs" / f"run-{n}"
+        folder.mkdir(parents=True)
+        arms = {"trace": entry, **({"tree_random": entry} if n == 0 else {})}
+        (folder / "metrics.json").write_text(json.dumps({"ablations": arms, "warmup": {}}))
+        index[key] = f"run-{n}"
+    ctx = docs_tables.Context(root=tmp_path, doc=tmp_path / "README.md", index=index)
+    text = exploration_table(ctx)
+    assert "| exploration groups | stage | pooled ECE | debiased ECE | floor | per seed |" in text
+    assert ("| none (`trace` as by default) | root | 0.050 [0.040, 0.080] | 0.043 [0.028, 0.065] | 0.014 | "
+            "s0 0.050, s1 0.060, s2 0.040 |") in text
+    stale = {k: v for k, v in entry.items() if k not in ("debiased_ece", "ece_floor", "debiased_ece_interval")}
+    (tmp_path / "reports" / "runs" / "run-1" / "metrics.json").write_text(
+        json.dumps({"ablations": {"trace": stale}, "warmup": {}}))
+    assert f"The reports of `{list(EXPLORATION_REPORTS)[1]}` have no debiased ECE" in exploration_table(ctx)
+
+
 def test_the_accounting_table_gives_each_arms_steps_and_tokens_per_seed(tmp_path):
     iv = lambda mean: {"mean": mean, "low": mean, "high": mean, "n": 2}  # noqa: E731
     ablations = {arm: {"mean": {"eval greedy": iv(0.5)},

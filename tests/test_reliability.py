@@ -12,8 +12,8 @@ import pytest
 
 from trace.predictor.ground_truth import reliability_diagram
 from trace.predictor.calibration import expected_calibration_error
-from trace.predictor.reliability import audit_diagrams, diagram_ece, diagram_metrics, draw_reliability, \
-    history_diagram, is_diagram_key, pool_diagrams, pooled_ece_interval
+from trace.predictor.reliability import audit_diagrams, calibration_noise, diagram_ece, diagram_metrics, \
+    draw_reliability, history_diagram, is_diagram_key, pool_diagrams, pooled_ece_interval
 
 
 def _audit(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -100,6 +100,70 @@ def test_the_pooled_ece_is_the_ece_of_the_union_and_below_the_mean_of_per_audit_
     assert np.isnan(diagram_ece([]))
 
 
+def _seed_diagrams(rng: np.random.Generator, seeds: int, gap: float = 0.0) -> list[list[dict]]:
+    """Each seed's pooled diagram over 8 audits of 32 items, 16 outcomes each: true probabilities scattered around
+    the forecast (Beta with mean ``forecast + gap``, clipped), a predictor calibrated when ``gap`` is 0."""
+    out = []
+    for _ in range(seeds):
+        audits = {}
+        for step in range(8):
+            p = rng.uniform(0.05, 0.95, 32)
+            mean = np.clip(p + gap, 0.01, 0.99)
+            audits[step] = (p, rng.binomial(16, rng.beta(4 * mean, 4 * (1 - mean))) / 16, np.full(32, 16.0))
+        out.append(history_diagram(_history(audits), "prefix"))
+    return out
+
+
+def test_the_floor_is_what_a_calibrated_predictor_reads_and_the_debiased_ece_removes_it():
+    rng = np.random.default_rng(12)
+    calibrated = [calibration_noise(_seed_diagrams(rng, 6)) for _ in range(40)]
+    pooled = np.mean([c["pooled"] for c in calibrated])
+    floor = np.mean([c["floor"] for c in calibrated])
+    debiased = np.mean([c["debiased"] for c in calibrated])
+    assert pooled > 0.01  # noise alone reads as miscalibration
+    assert floor == pytest.approx(pooled, rel=0.15)  # the floor predicts it
+    assert debiased < 0.6 * pooled  # and the debiased ECE takes half of it out or more
+    # a predictor whose forecasts are 0.1 too low everywhere: the debiased ECE reads the gap, the pooled one above it
+    low = [calibration_noise(_seed_diagrams(rng, 6, gap=0.1)) for _ in range(20)]
+    assert np.mean([c["debiased"] for c in low]) == pytest.approx(0.1, abs=0.015)
+    assert np.mean([c["pooled"] for c in low]) > np.mean([c["debiased"] for c in low])
+    # the floor falls about as 1 / sqrt(seeds): one seed's noise is the per-seed ECE's
+    four, sixteen = (np.mean([calibration_noise(_seed_diagrams(rng, n))["floor"] for _ in range(10)]) for n in (4, 16))
+    assert four / sixteen == pytest.approx(2.0, rel=0.25)
+
+
+def test_calibration_noise_pools_like_diagram_ece_and_needs_two_runs():
+    rng = np.random.default_rng(13)
+    runs = _seed_diagrams(rng, 3, gap=0.05)
+    noise = calibration_noise(runs)
+    assert noise["pooled"] == pytest.approx(diagram_ece(pool_diagrams(runs)), rel=1e-12)
+    assert 0 < noise["floor"] and 0 <= noise["debiased"] <= noise["pooled"]
+    one = calibration_noise(runs[:1] + [[]])  # an empty run is dropped; one run has no spread to measure
+    assert one["pooled"] == pytest.approx(diagram_ece(runs[0])) and math.isnan(one["floor"])
+    assert math.isnan(one["debiased"]) and all(math.isnan(v) for v in calibration_noise([]).values())
+    # identical runs: no spread, nothing to remove
+    same = calibration_noise([runs[0]] * 3)
+    assert same["floor"] == pytest.approx(0, abs=1e-12) and same["debiased"] == pytest.approx(same["pooled"])
+
+
+def test_the_debiased_ece_interval_resamples_seeds_and_covers_the_true_gap():
+    rng = np.random.default_rng(14)
+    audits = []
+    for _ in range(6):  # per seed, its audits' diagrams, forecasts 0.1 too low
+        history = {}
+        for step in range(8):
+            p = rng.uniform(0.05, 0.85, 32)
+            history[step] = (p, rng.binomial(16, rng.beta(4 * (p + 0.1), 4 * (0.9 - p))) / 16, np.full(32, 16.0))
+        audits.append(audit_diagrams(_history(history), "prefix"))
+    low, high = pooled_ece_interval(audits, resamples=400, debiased=True)
+    point = calibration_noise([pool_diagrams(a) for a in audits])["debiased"]
+    assert low < point < high and low < 0.1 < high
+    plain = pooled_ece_interval(audits, resamples=400)
+    assert plain[0] > low  # the pooled ECE's interval sits higher: noise adds to it
+    assert pooled_ece_interval(audits, resamples=400, debiased=True) == (low, high)
+    assert all(math.isnan(x) for x in pooled_ece_interval(audits[:1], debiased=True))
+
+
 def test_the_bin_metrics_name_the_stage_and_the_bin_and_refuse_an_unknown_stage():
     rows = reliability_diagram([0.05, 0.95, 0.97], [0.0, 1.0, 0.5], [4, 2, 2], 10)
     metrics = diagram_metrics("root", rows, 10)
@@ -162,7 +226,15 @@ def test_the_report_pools_each_arms_diagrams_and_draws_them(tmp_path: Path):
     assert stats["trace"]["pooled_ece_seeds"]["root"] == seeds
     low, high = pooled_ece_interval([audit_diagrams(r["history"], "root") for r in results["trace"].values()])
     assert stats["trace"]["pooled_ece_interval"]["root"] == (low, high) and low < diagram_ece(expected) < high
-    assert (f"| trace | root | {diagram_ece(expected):.3f} [{low:.3f}, {high:.3f}] | s0 {seeds[0]:.3f}, "
+    noise = stats["trace"]["ece_noise"]["root"]
+    assert noise["debiased_interval"] == pooled_ece_interval([audit_diagrams(r["history"], "root")
+                                                              for r in results["trace"].values()], debiased=True)
+    assert {k: noise[k] for k in ("floor", "debiased")} == {
+        k: v for k, v in calibration_noise([history_diagram(r["history"], "root") for r in results["trace"].values()]
+                                           ).items() if k != "pooled"}
+    dlow, dhigh = noise["debiased_interval"]
+    assert (f"| trace | root | {diagram_ece(expected):.3f} [{low:.3f}, {high:.3f}] | {noise['floor']:.3f} | "
+            f"{noise['debiased']:.3f} [{dlow:.3f}, {dhigh:.3f}] | s0 {seeds[0]:.3f}, "
             f"s1 {seeds[1]:.3f}, s2 {seeds[2]:.3f} | "
             f"{first['mean_forecast']:.2f} -> "
             f"{first['realised_rate']:.2f} ({first['count']:,.0f});" in text)
@@ -171,6 +243,8 @@ def test_the_report_pools_each_arms_diagrams_and_draws_them(tmp_path: Path):
     assert table["pooled_ece"] == {"root": pytest.approx(diagram_ece(expected)), "prefix": None}
     assert table["pooled_ece_seeds"]["root"] == {f"s{s}": pytest.approx(v) for s, v in seeds.items()}
     assert table["pooled_ece_interval"] == {"root": {"low": low, "high": high}, "prefix": {"low": None, "high": None}}
+    assert table["ece_floor"]["root"] == pytest.approx(noise["floor"]) and table["ece_floor"]["prefix"] is None
+    assert table["debiased_ece_interval"]["root"] == {"low": dlow, "high": dhigh}
     assert RELIABILITY_PLOT in [p.name for p in write_plots(results, tmp_path)]
     assert RELIABILITY_PLOT not in [p.name for p in write_plots(THREE_SEEDS, tmp_path)]  # stale one removed
     assert not (tmp_path / RELIABILITY_PLOT).exists()

@@ -20,8 +20,8 @@ import re
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-__all__ = ["STAGES", "audit_diagrams", "diagram_ece", "diagram_metrics", "draw_reliability", "history_diagram",
-           "is_diagram_key", "pool_diagrams", "pooled_ece_interval"]
+__all__ = ["STAGES", "arm_reliability", "audit_diagrams", "calibration_noise", "diagram_ece", "diagram_metrics",
+           "draw_reliability", "history_diagram", "is_diagram_key", "pool_diagrams", "pooled_ece_interval"]
 
 STAGES = ("root", "prefix")
 FIELDS = {"outcomes": "count", "forecast": "mean_forecast", "realised": "realised_rate"}
@@ -98,24 +98,26 @@ def _audit_cells(history: Mapping[str, Sequence[tuple[int, float]]], stage: str)
 
 
 def pooled_ece_interval(runs: Sequence[Sequence[Sequence[Mapping[str, float]]]], confidence: float = 0.95,
-                        resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """A percentile bootstrap interval of the pooled ECE (``diagram_ece`` of ``pool_diagrams``), resampling runs and
-    then audits.
+                        resamples: int = 2000, seed: int = 0, *, debiased: bool = False) -> tuple[float, float]:
+    """A percentile bootstrap interval of the pooled ECE (``diagram_ece`` of ``pool_diagrams``), or of the debiased
+    ECE (``calibration_noise``), resampling runs and then audits.
 
     Each resample draws as many runs (seeds) as given, with replacement, and within each drawn run as many of its
-    audit diagrams as it has, with replacement; it pools them all and scores the pool. Runs are the independent
-    units (a run's audits share one policy trajectory); the audits within a run add their own spread. Like the ECE
-    itself, the resampled ECE is biased upward by the noise of each bin's realised rate, so the interval sits above
-    the point.
+    audit diagrams as it has, with replacement; it pools each drawn run's audits and scores the pool of them all
+    (or, with ``debiased``, the drawn runs as clusters). Runs are the independent units (a run's audits share one
+    policy trajectory); the audits within a run add their own spread. Like the ECE itself, the resampled pooled
+    ECE is biased upward by the noise of each bin's realised rate, so its interval sits above the point; the
+    debiased ECE removes that bias to first order.
 
     Args:
         runs: (R,) runs, each its (A_r,) per-audit diagrams (``audit_diagrams``); empty runs are dropped.
         confidence: interval coverage.
         resamples: bootstrap resamples.
         seed: the resampling generator's seed (the interval is deterministic).
+        debiased: score ``calibration_noise``'s ``debiased`` instead of the pooled ECE.
 
     Returns:
-        ``(low, high)``; ``(nan, nan)`` with fewer than 2 audits in all.
+        ``(low, high)``; ``(nan, nan)`` with fewer than 2 audits in all (with ``debiased``: fewer than 2 runs).
 
     References:
         Davison and Hinkley (1997), Bootstrap Methods and their Application, section 3.8 (resampling
@@ -124,16 +126,103 @@ def pooled_ece_interval(runs: Sequence[Sequence[Sequence[Mapping[str, float]]]],
     import numpy as np
 
     runs = [list(r) for r in runs if len(r)]
-    if sum(len(r) for r in runs) < 2:
+    if sum(len(r) for r in runs) < 2 or (debiased and len(runs) < 2):
         return float("nan"), float("nan")
     rng = np.random.default_rng(seed)
     scores = np.empty(resamples)
     for k in range(resamples):
         drawn = [runs[i] for i in rng.integers(0, len(runs), size=len(runs))]
-        audits = (run[j] for run in drawn for j in rng.integers(0, len(run), size=len(run)))
-        scores[k] = diagram_ece(pool_diagrams(audits))
+        audits = [[run[j] for j in rng.integers(0, len(run), size=len(run))] for run in drawn]
+        scores[k] = (calibration_noise([pool_diagrams(a) for a in audits])["debiased"] if debiased
+                     else diagram_ece(pool_diagrams(a for run in audits for a in run)))
     tail = (1.0 - confidence) / 2.0
-    return float(np.quantile(scores, tail)), float(np.quantile(scores, 1.0 - tail))
+    return float(np.nanquantile(scores, tail)), float(np.nanquantile(scores, 1.0 - tail))
+
+
+def calibration_noise(runs: Sequence[Sequence[Mapping[str, float]]], num_bins: int = 10) -> dict[str, float]:
+    """The pooled ECE beside what noise alone makes of it: the ECE a calibrated predictor reads on the same sample
+    (the floor) and the ECE with that noise taken out (debiased), the runs (seeds) as independent clusters.
+
+    With run ``r``'s pooled diagram (``history_diagram``) of bin weights ``W_rb`` and gaps ``g_rb = pbar_rb -
+    obar_rb``, the pooled gap of bin ``b`` is ``d_b = sum_r W_rb g_rb / W_b`` (the gap of the pooled diagram,
+    exactly). Its variance over runs, clusters of whatever the bin's noise is made of (each item's ``K``
+    Monte-Carlo outcomes, its true probability's scatter around the forecast, the policy's drift between audits
+    and seeds), is estimated by the cluster-robust sandwich ``V_b = R / (R - 1) sum_r (W_rb / W_b)^2 (g_rb -
+    d_b)^2`` over the ``R`` runs. With ``W = sum_b W_b``:
+
+    - ``pooled = sum_b W_b |d_b| / W`` (``diagram_ece`` of the pooled diagram);
+    - ``floor = sum_b W_b sqrt(2 V_b / pi) / W``: ``E|d_b|`` when ``d_b ~ N(0, V_b)``, the pooled ECE that a
+      predictor calibrated in every bin reads with this noise; it falls as runs are added (about ``1/sqrt(R)``);
+    - ``debiased = sum_b W_b sqrt(max(0, d_b^2 - V_b)) / W``: ``E[d_b^2] = delta_b^2 + V_b`` for the true gap
+      ``delta_b``, so ``d_b^2 - V_b`` is unbiased for ``delta_b^2`` and its root estimates ``|delta_b|`` with the
+      noise removed to first order (0 in a bin whose gap is within its noise).
+
+    Args:
+        runs: (R,) diagrams, each a run's pooled rows (``history_diagram``) on the same bins; empty ones are dropped.
+        num_bins: their bins.
+
+    Returns:
+        ``{"pooled", "floor", "debiased"}`` floats; ``floor`` and ``debiased`` are NaN with fewer than 2 runs
+        (``pooled`` NaN without outcomes).
+
+    References:
+        Kumar, Liang and Ma (2019), "Verified uncertainty calibration", NeurIPS (the debiased estimator of the
+        squared calibration error, per bin); Roelofs et al. (2022), "Mitigating bias in calibration error
+        estimation", AISTATS (the binned ECE's upward bias); Cameron and Miller (2015), "A practitioner's guide
+        to cluster-robust inference", J. Human Resources 50(2) (the sandwich variance over clusters).
+    """
+    runs = [list(rows) for rows in runs if sum(r["count"] for r in rows) > 0]
+    cells: dict[int, list[tuple[float, float]]] = {}
+    for rows in runs:
+        for row in rows:
+            cells.setdefault(int(round(row["lower"] * num_bins)), []).append(
+                (float(row["count"]), float(row["mean_forecast"] - row["realised_rate"])))
+    total = sum(w for cell in cells.values() for w, _ in cell)
+    if total <= 0:
+        return {"pooled": float("nan"), "floor": float("nan"), "debiased": float("nan")}
+    pooled = floor = debiased = 0.0
+    n = len(runs)
+    for cell in cells.values():
+        weight = sum(w for w, _ in cell)
+        gap = sum(w * g for w, g in cell) / weight
+        var = n / (n - 1) * sum((w / weight) ** 2 * (g - gap) ** 2 for w, g in cell) if n > 1 else float("nan")
+        pooled += weight * abs(gap)
+        floor += weight * math.sqrt(2.0 * var / math.pi)
+        debiased += weight * (math.sqrt(max(0.0, gap * gap - var)) if n > 1 else math.nan)
+    return {"pooled": pooled / total, "floor": floor / total, "debiased": debiased / total}
+
+
+def arm_reliability(histories: Mapping[int, Mapping[str, Sequence[tuple[int, float]]]], confidence: float = 0.95,
+                    num_bins: int = 10) -> dict:
+    """An arm's audits over its seeds, for the report: the pooled diagrams, the pooled ECE per seed and its
+    bootstrap interval, and ``calibration_noise`` with the debiased ECE's interval.
+
+    Args:
+        histories: seed -> that seed's train-run metric history (``{key: [(step, value), ...]}``).
+        confidence: the intervals' coverage.
+        num_bins: the audits' bins.
+
+    Returns:
+        ``{"reliability": {stage: rows} or None (nothing audited), "pooled_ece_seeds": {stage: {seed: ECE}},
+        "pooled_ece_interval": {stage: (low, high)} or None, "ece_noise": {stage: {"floor", "debiased",
+        "debiased_interval": (low, high)}} or None}``.
+    """
+    per_seed = {stage: {seed: history_diagram(h, stage, num_bins) for seed, h in histories.items()}
+                for stage in STAGES}
+    diagrams = {stage: pool_diagrams(per_seed[stage].values(), num_bins) for stage in STAGES}
+    audited = any(diagrams.values())
+    out = {"reliability": diagrams if audited else None,
+           "pooled_ece_seeds": {stage: {seed: diagram_ece(rows) for seed, rows in per_seed[stage].items()}
+                                for stage in STAGES},
+           "pooled_ece_interval": None, "ece_noise": None}
+    if audited:
+        audits = {stage: [audit_diagrams(h, stage, num_bins) for h in histories.values()] for stage in STAGES}
+        out["pooled_ece_interval"] = {stage: pooled_ece_interval(audits[stage], confidence) for stage in STAGES}
+        out["ece_noise"] = {stage: {**{k: v for k, v in calibration_noise(per_seed[stage].values(), num_bins).items()
+                                       if k != "pooled"},
+                                    "debiased_interval": pooled_ece_interval(audits[stage], confidence, debiased=True)}
+                            for stage in STAGES}
+    return out
 
 
 def history_diagram(history: Mapping[str, Sequence[tuple[int, float]]], stage: str,

@@ -17,8 +17,7 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
-from trace.predictor.reliability import STAGES, audit_diagrams, diagram_ece, history_diagram, is_diagram_key, \
-    pool_diagrams, pooled_ece_interval
+from trace.predictor.reliability import arm_reliability, is_diagram_key
 from trace.reporting.report_questions import bootstrap_against, bootstrap_gain
 from trace.reporting.statistics import Interval, crossing_target, mean_interval, paired_difference, target_refusal, \
     tokens_to_target_censored
@@ -270,7 +269,8 @@ def arm_statistics(results: dict, pass_k: int, confidence: float = CONFIDENCE,
         "reliability": {"root", "prefix": rows} pooled over the audits and seeds
         (``trace.predictor.reliability``) or None, "pooled_ece_seeds": {stage: {seed: ECE of the seed's pooled
         diagram}}, "pooled_ece_interval": {stage: (low, high) of ``pooled_ece_interval``, seeds then their audits
-        resampled} or None}}}``.
+        resampled} or None, "ece_noise": {stage: {"floor", "debiased", "debiased_interval"}} or None
+        (``trace.predictor.reliability.arm_reliability``)}}}``.
 
     References:
         docs/method.md, "Statistics over seeds".
@@ -313,14 +313,7 @@ def arm_statistics(results: dict, pass_k: int, confidence: float = CONFIDENCE,
                 if by_seed:
                     means[key], means_seeds[key] = mean_interval(list(by_seed.values()), confidence), by_seed
             entry[name], entry[f"{name}_seeds"] = means, means_seeds
-        diagrams = {stage: pool_diagrams(history_diagram(res["history"], stage) for res in results[abl].values())
-                    for stage in STAGES}
-        entry["reliability"] = diagrams if any(diagrams.values()) else None
-        entry["pooled_ece_seeds"] = {stage: {seed: diagram_ece(history_diagram(res["history"], stage))
-                                             for seed, res in results[abl].items()} for stage in STAGES}
-        entry["pooled_ece_interval"] = {stage: pooled_ece_interval(
-            [audit_diagrams(res["history"], stage) for res in results[abl].values()], confidence)
-            for stage in STAGES} if entry["reliability"] else None
+        entry.update(arm_reliability({seed: res["history"] for seed, res in results[abl].items()}, confidence))
         arms[abl] = entry
     for abl, entry in arms.items():  # stage 2 against random anchors at the same budget, paired by seed
         entry["flips_vs_random"] = flips_ratio(entry, arms.get(RANDOM_ANCHORS), confidence) if abl != RANDOM_ANCHORS \

@@ -107,5 +107,11 @@ def metrics_table(results: dict, pass_k: int, confidence: float = CONFIDENCE, wa
             if st.get("pooled_ece_interval"):  # a percentile bootstrap over the audits
                 entry["pooled_ece_interval"] = {stage: {"low": _clean(low), "high": _clean(high)}
                                                 for stage, (low, high) in st["pooled_ece_interval"].items()}
+            if st.get("ece_noise"):  # what a calibrated predictor reads here, and the ECE with that noise removed
+                entry["ece_floor"] = {stage: _clean(v["floor"]) for stage, v in st["ece_noise"].items()}
+                entry["debiased_ece"] = {stage: _clean(v["debiased"]) for stage, v in st["ece_noise"].items()}
+                entry["debiased_ece_interval"] = {stage: {"low": _clean(v["debiased_interval"][0]),
+                                                          "high": _clean(v["debiased_interval"][1])}
+                                                  for stage, v in st["ece_noise"].items()}
         out[abl] = entry
     return out

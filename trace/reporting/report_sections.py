@@ -106,8 +106,12 @@ def _reliability_lines(arms: dict, scored: Sequence[str]) -> list[str]:
              "mean forecast -> realised rate (outcomes). A calibrated predictor has the two equal in every bin. "
              "Pooled ECE: the ECE of that union (the table above averages per-audit ECEs, each over a few dozen "
              "items, which a calibrated but unsharp predictor also scores well above 0), with a 95 % percentile "
-             "bootstrap interval that resamples the seeds, then each drawn seed's audits (`pooled_ece_interval`).", "",
-             "| ablation | stage | pooled ECE | per seed | bins |", "|---|---|---:|---|---|"]
+             "bootstrap interval that resamples the seeds, then each drawn seed's audits (`pooled_ece_interval`). "
+             "Floor: the pooled ECE a predictor calibrated in every bin reads with this sample's noise (each bin's "
+             "gap varies over the seeds as clusters); debiased: the pooled ECE with that noise taken out, with its "
+             "interval from the same bootstrap (`calibration_noise`). Per seed, the floor is about sqrt(seeds) "
+             "times higher.", "",
+             "| ablation | stage | pooled ECE | floor | debiased | per seed | bins |", "|---|---|---:|---:|---:|---|---|"]
     for abl, stage, diagram in rows:
         cells = "; ".join(f"{_num(r['mean_forecast'], 2)} -> {_num(r['realised_rate'], 2)} ({_num(r['count'], 0)})"
                           for r in diagram)
@@ -115,7 +119,12 @@ def _reliability_lines(arms: dict, scored: Sequence[str]) -> list[str]:
         interval = (arms[abl].get("pooled_ece_interval") or {}).get(stage)
         pooled = _num(diagram_ece(diagram), 3) + (f" [{_num(interval[0], 3)}, {_num(interval[1], 3)}]"
                                                   if interval and math.isfinite(interval[0]) else "")
-        lines.append(f"| {abl} | {stage} | {pooled} | {seeds} | {cells} |")
+        noise = (arms[abl].get("ece_noise") or {}).get(stage) or {}
+        low, high = noise.get("debiased_interval", (math.nan, math.nan))
+        debiased = _num(noise.get("debiased", math.nan), 3) + (f" [{_num(low, 3)}, {_num(high, 3)}]"
+                                                               if math.isfinite(low) else "")
+        lines.append(f"| {abl} | {stage} | {pooled} | {_num(noise.get('floor', math.nan), 3)} | {debiased} | {seeds} "
+                     f"| {cells} |")
     return lines
 
 
