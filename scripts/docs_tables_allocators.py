@@ -6,7 +6,7 @@ from __future__ import annotations
 from scripts.docs_tables_common import Context, _finite, _missing, _num, _table
 from scripts.docs_tables_runs import _diff, _judged, _verdict_rule
 
-__all__ = ["ALLOCATORS", "allocators_table"]
+__all__ = ["ACTED", "ALLOCATORS", "acted_cell", "allocators_table"]
 
 # arm -> (method and paper, state across steps, what the original spends per step, the paper's claim (its abstract))
 ALLOCATORS = {
@@ -24,6 +24,28 @@ ALLOCATORS = {
             "its batch_budget over the batch (2048 over 256 prompts), 0 or 4 to 32 per prompt",
             "better sampling efficiency and accuracy than uniform or heuristic allocation"),
 }
+
+
+# arm -> what its state did, from the report's allocator_state: (metric, words after its per-step mean, digits)
+ACTED = {
+    "greso": (("greso/skipped", "candidates skipped", 1), ("greso/refilled", "refilled", 1),
+              ("greso/p_easy", "keep probability of all-correct prompts", 2)),
+    "mopps": (("mopps/selected_seen", "of the chosen prompts seen before", 2),
+              ("mopps/known_prompts", "prompts with a posterior", 0)),
+    "vip": (("vip/active_prompts", "prompts given rollouts", 1), ("vip/forecast_brier", "Brier of its forecasts", 3)),
+}
+
+
+def acted_cell(arm: str, entry: dict) -> str:
+    """What an allocator's state across steps did, as the mean per step (mean over steps, then seeds) of its
+    ``ACTED`` metrics in its report entry; ``no state`` for an arm without any, ``not logged`` for a report
+    without them."""
+    if arm not in ACTED:
+        return "no state"
+    state = entry.get("allocator_state", {})
+    parts = [f"{_num(state[key]['mean'], digits)} {words}" for key, words, digits in ACTED[arm]
+             if _finite((state.get(key) or {}).get("mean"))]
+    return "; ".join(parts) if parts else "not logged"
 
 
 def allocators_table(ctx: Context, key: str = "all-arms") -> str:
@@ -45,15 +67,17 @@ def allocators_table(ctx: Context, key: str = "all-arms") -> str:
         entry = abl.get(arm, {})
         traj = (entry.get("mean", {}).get("trajectories/step") or {}).get("mean")
         vs = entry.get("vs_grpo", {})
-        rows.append([f"`{arm}`", method, state, original, f"{_num(traj, 0)}" if _finite(traj) else "n/a", claim,
+        rows.append([f"`{arm}`", method, state, original, f"{_num(traj, 0)}" if _finite(traj) else "n/a",
+                     acted_cell(arm, entry) if entry else "n/a", claim,
                      sim_cell, _diff(vs.get("effective ratio"), verdicts.get((arm, "vs_grpo", "effective ratio"))),
                      _diff(vs.get("eval mean@k"), verdicts.get((arm, "vs_grpo", "eval mean@k")))])
     note = (f"Simulator: `reports/benchmarks/allocation_quality.json` (`allocators_on_one_budget`, the ratio of effective "
             f"ratios to `grpo`'s, same seeds). Default task: [`reports/runs/{folder}/metrics.json`]"
             f"({ctx.link(f'reports/runs/{folder}/metrics.json')}), arm minus `grpo` at the same seed ({_verdict_rule(ctx)}). "
-            "Claims paraphrase each paper's abstract; none of the four reads the success "
-            "predictor.")
+            "What its state did: the mean per step over steps, then seeds, of its logged state (the report's "
+            "Allocator state section); state keyed by prompt acts only on prompts that recur. Claims paraphrase each "
+            "paper's abstract; none of the four reads the success predictor.")
     return _table(["arm", "method", "state across steps", "the original spends per step", "here, trajectories/step",
-                   "paper's claim", "simulator: effective ratio / grpo", "default task: effective ratio - grpo",
-                   "default task: held-out avg@k - grpo"], rows,
-                  ["---", "---", "---", "---", "---:", "---", "---:", "---:", "---:"]) + "\n\n" + note
+                   "here, what its state did a step", "paper's claim", "simulator: effective ratio / grpo",
+                   "default task: effective ratio - grpo", "default task: held-out avg@k - grpo"], rows,
+                  ["---", "---", "---", "---", "---:", "---", "---", "---:", "---:", "---:"]) + "\n\n" + note

@@ -280,14 +280,21 @@ def test_the_allocators_table_reads_the_simulator_ratio_and_the_default_task_dif
         "grpo": {"mean": {"trajectories/step": {"mean": 128.0, "n": 3}}},
         "mopps": {"mean": {"trajectories/step": {"mean": 128.0, "n": 3}},
                   "vs_grpo": {"effective ratio": diff,
-                              "eval mean@k": {"mean": -0.01, "low": -0.04, "high": 0.02, "n": 3, "real": False}}}}}))
+                              "eval mean@k": {"mean": -0.01, "low": -0.04, "high": 0.02, "n": 3, "real": False}},
+                  "allocator_state": {"mopps/selected_seen": {"mean": 0.61, "n": 3},
+                                      "mopps/known_prompts": {"mean": 812.4, "n": 3}}},
+        "greso": {"mean": {"trajectories/step": {"mean": 128.0, "n": 3}}},
+        "reinforce_ada": {"mean": {"trajectories/step": {"mean": 128.0, "n": 3}}}}}))
     ctx = docs_tables.Context(root=tmp_path, doc=tmp_path / "docs" / "results.md", index={"all-arms": "all-arms-x"})
     rows = {line.split(" | ")[0][2:]: line for line in allocators_table(ctx).splitlines() if line.startswith("| `")}
     assert list(rows) == [f"`{arm}`" for arm in ALLOCATORS]
-    assert rows["`mopps`"].endswith("| 128 | predicts prompt difficulty online; faster training with far fewer rollouts "
+    assert rows["`mopps`"].endswith("| 128 | 0.61 of the chosen prompts seen before; 812 prompts with a posterior | "
+                                    "predicts prompt difficulty online; faster training with far fewer rollouts "
                                     "| 1.26 [1.19, 1.33] | +0.120 t [+0.050, +0.190]* real after correction | "
                                     "-0.010 t [-0.040, +0.020]* within noise |")  # the report's rule and verdicts
-    assert rows["`vip`"].endswith("| n/a | n/a | n/a |")  # not in the report: said, not invented
+    assert rows["`vip`"].endswith("| n/a | n/a | n/a |") and "| n/a | n/a | better sampling" in rows["`vip`"]
+    assert "| 128 | not logged | up to 2.4x" in rows["`greso`"]  # a report without the state says so
+    assert "| 128 | no state | faster convergence" in rows["`reinforce_ada`"]
     empty = docs_tables.Context(root=tmp_path, doc=tmp_path / "README.md", index={"all-arms": None})
     assert "No committed report yet" in allocators_table(empty)
 
