@@ -50,7 +50,8 @@ def exploration_reliability(cfg, arm_name: str, runs_root: Path, prompts: Sequen
 
     Returns:
         ``{"explore" | "chosen": {"diagram": pooled rows, "ece": pooled ECE, "interval": [low, high] (95 %,
-        seeds then steps resampled, ``pooled_ece_interval``), "seeds": {"s<k>": that seed's pooled ECE},
+        seeds then steps resampled, ``pooled_ece_interval``), "floor", "debiased", "debiased_interval"
+        (``calibration_noise``, the seeds as clusters), "seeds": {"s<k>": that seed's pooled ECE},
         "groups": root groups}}`` and ``"steps"``: steps read per seed.
 
     Raises:
@@ -59,7 +60,7 @@ def exploration_reliability(cfg, arm_name: str, runs_root: Path, prompts: Sequen
     """
     from trace.allocation.arms import get_arm
     from trace.allocation.step import explores
-    from trace.predictor.reliability import diagram_ece, pool_diagrams, pooled_ece_interval
+    from trace.predictor.reliability import calibration_noise, diagram_ece, pool_diagrams, pooled_ece_interval
     from trace.training.recalibration import exploration_trees
     from trace.tree_io import read_trees
 
@@ -86,7 +87,10 @@ def exploration_reliability(cfg, arm_name: str, runs_root: Path, prompts: Sequen
     for name, runs in per_seed.items():
         pooled = pool_diagrams(d for run in runs.values() for d in run)
         low, high = pooled_ece_interval(list(runs.values()))
+        noise = calibration_noise([pool_diagrams(run) for run in runs.values()])
         out[name] = {"diagram": pooled, "ece": diagram_ece(pooled), "interval": [low, high],
+                     "floor": noise["floor"], "debiased": noise["debiased"],
+                     "debiased_interval": list(pooled_ece_interval(list(runs.values()), debiased=True)),
                      "seeds": {f"s{s}": diagram_ece(pool_diagrams(run)) for s, run in runs.items()},
                      "groups": int(sum(sum(r["count"] for r in d) for run in runs.values() for d in run)
                                    / cfg.allocation.group_size) if name == "explore" else None}
@@ -116,7 +120,9 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("explore", "chosen"):
         r = result[name]
         low, high = r["interval"]
-        print(f"{name}: pooled ECE {r['ece']:.3f} [{low:.3f}, {high:.3f}]"
+        d_low, d_high = r["debiased_interval"]
+        print(f"{name}: pooled ECE {r['ece']:.3f} [{low:.3f}, {high:.3f}], debiased {r['debiased']:.3f} "
+              f"[{d_low:.3f}, {d_high:.3f}], floor {r['floor']:.3f}"
               + (f" over {r['groups']} groups" if r["groups"] else "") + "; per seed "
               + ", ".join(f"{s} {v:.3f}" for s, v in r["seeds"].items()))
         for row in r["diagram"]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 
@@ -25,5 +27,8 @@ def test_the_exploration_groups_of_a_run_are_scored_apart_from_the_chosen_groups
     for name in ("explore", "chosen"):
         low, high = result[name]["interval"]
         assert 0.0 <= low <= high <= 1.0 and 0.0 <= result[name]["ece"] <= 1.0 and set(result[name]["seeds"]) == {"s0"}
+        # one seed: no spread over seeds to measure the noise by
+        assert math.isnan(result[name]["floor"]) and math.isnan(result[name]["debiased"])
+        assert all(math.isnan(x) for x in result[name]["debiased_interval"])
     with pytest.raises(ValueError, match="grpo draws no exploration groups"):
         exploration_reliability(trainer.cfg, "grpo", tmp_path / "runs", trainer.train_prompts)
