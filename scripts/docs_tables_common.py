@@ -18,13 +18,14 @@ INDEX = RUNS / "index.yaml"
 # index.yaml keys: the reports (reports/metrics.json of the report stage) of `make run`, `make run-paper`, the
 # earlier 75-step run, `make run-grid` (every arm), the predictor run, `make run-tokens` (equal tokens), `trace`'s
 # reliability diagrams with the predictor's forecasts and with the Platt and isotonic maps, and without and with
-# exploration groups (and two predictor fits, and the root map fitted on them), `make run-paper` over
+# exploration groups (and two predictor fits, and the root map fitted on them), stage 1 or stage 2 alone by forecast
+# (trace_root, trace_prefix; read beside exploration-base), `make run-paper` over
 # warmups (the pooled study of scripts.warmup_study, in that format) and each warmup's own report in it (its w0/, w1/);
 # and the real-data
 # presets (that format too, or the earlier per-stage one: warmup_stage, <arm>.eval, <arm>.train_summary)
 ABLATION_REPORTS = ("default", "paper", "long", "all-arms", "predictor", "tokens", "reliability", "recalibrated",
                     "isotonic", "paper-warmups", "paper-w0", "paper-w1", "exploration-base", "exploration",
-                    "exploration-window4", "exploration-epochs3", "exploration-recalibrated")
+                    "exploration-window4", "exploration-epochs3", "exploration-recalibrated", "stages")
 PRESET_REPORTS = ("hotpotqa", "gsm8k", "bfcl")
 
 

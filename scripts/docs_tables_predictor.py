@@ -15,7 +15,8 @@ from __future__ import annotations
 from scripts.docs_tables_common import Context, _missing, _num, _pm, _source, _table
 from trace.reporting.statistics import mean_interval, paired_difference
 
-__all__ = ["CALIBRATION_REPORTS", "EXPLORATION_PAIRS", "EXPLORATION_REPORTS", "calibration_table", "exploration_table"]
+__all__ = ["CALIBRATION_REPORTS", "EXPLORATION_PAIRS", "EXPLORATION_REPORTS", "STAGE_ARMS", "calibration_table",
+           "exploration_table", "stages_table"]
 
 ARM = "trace"
 # index key -> what the allocator reads in that report
@@ -30,6 +31,11 @@ EXPLORATION_REPORTS = {"exploration-base": "none (`trace` as by default)",
                                                    "(`predictor.recalibrate_roots: explore`)"}
 # index key -> a second reference it is also paired with (what it adds to that run alone)
 EXPLORATION_PAIRS = {"exploration-recalibrated": "exploration"}
+# index key -> the arms of that report the stages table reads, with what their stage 1 and stage 2 do
+STAGE_ARMS = {"exploration-base": {"tree_random": ("uniform", "random anchors"), "trace": ("by forecast", "by forecast")},
+              "stages": {"trace_prefix": ("uniform", "by forecast"), "trace_root": ("by forecast", "none")}}
+STAGE_REFERENCE = "tree_random"
+STAGE_RESAMPLES = 1000
 AVGK = "eval/accuracy/mean_at_8"
 PLURAL = {"root": "roots", "prefix": "prefixes"}
 
@@ -203,3 +209,55 @@ def _seed_range(entry: dict) -> str:
 def _label(key: str) -> str:
     """A run's row label without its parenthesis."""
     return EXPLORATION_REPORTS[key].split(" (")[0]
+
+
+def stages_table(ctx: Context) -> str:
+    """Which stage's choices cost the forecasts their calibration: per arm of ``STAGE_ARMS`` (stage 1 and stage 2
+    by forecast or not), over the seeds every report holds, the debiased ECE of roots and prefixes with its
+    bootstrap interval and floor (``trace.predictor.reliability.calibration_noise``), and its difference from
+    ``tree_random``'s paired by seed (``debiased_ece_difference``: the seeds drawn once for both)."""
+    from trace.predictor.reliability import calibration_noise, debiased_ece_difference, expand_rows, pool_diagrams, \
+        pooled_ece_interval
+
+    audits, folders = {}, []
+    for key, arms in STAGE_ARMS.items():
+        folder, metrics = ctx.report(key)
+        if metrics is None:
+            return _missing(ctx, key)
+        folders.append(folder)
+        for arm in arms:
+            entry = metrics["ablations"].get(arm) or {}
+            if "audit_diagrams" not in entry:
+                return (f"The report of `{key}` has no per-audit diagrams of `{arm}` (written before they were kept): "
+                        "write it again with `python -m flows.report` in its runs' checkout. " + _source(ctx, folder))
+            audits[arm] = {stage: {int(s[1:]): [expand_rows(rows) for rows in runs] for s, runs in by_seed.items()}
+                           for stage, by_seed in entry["audit_diagrams"].items()}
+    seeds = sorted(set.intersection(*(set(a["root"]) for a in audits.values())))
+    rows = []
+    for key, arms in STAGE_ARMS.items():
+        for arm, (stage1, stage2) in arms.items():
+            cells = [f"`{arm}`", stage1, stage2]
+            for stage in ("root", "prefix"):
+                runs = [audits[arm][stage][s] for s in seeds]
+                noise = calibration_noise([pool_diagrams(r) for r in runs])
+                low, high = pooled_ece_interval(runs, resamples=STAGE_RESAMPLES, debiased=True)
+                cells.append(f"{_num(noise['debiased'])} [{_num(low)}, {_num(high)}] ({_num(noise['floor'])})")
+                if arm == STAGE_REFERENCE:
+                    cells.append("reference")
+                    continue
+                diff = debiased_ece_difference({s: audits[arm][stage][s] for s in seeds},
+                                               {s: audits[STAGE_REFERENCE][stage][s] for s in seeds},
+                                               resamples=STAGE_RESAMPLES)
+                cells.append(f"{_num(diff['difference'], 3, True)} [{_num(diff['low'], 3, True)}, "
+                             f"{_num(diff['high'], 3, True)}]")
+            rows.append(cells)
+    note = (f"Each arm's forecasts on the unselected sample against Monte-Carlo truth, 80 steps, audited every 10 steps, "
+            f"seeds {seeds[0]}-{seeds[-1]} (those both reports hold), one CPU: the debiased ECE [95 % bootstrap interval, "
+            "seeds then audits resampled] (floor: what a predictor calibrated in every bin reads on the same audits), "
+            f"and its difference from `{STAGE_REFERENCE}`'s, paired by seed: the seeds drawn once for both arms, each "
+            f"arm's audits within them ({STAGE_RESAMPLES:,} resamples; no correction over the six differences). "
+            "Stage 1: how the roots are chosen; stage 2: how the continuations' anchors are. ")
+    header = ["arm", "stage 1", "stage 2", "roots: debiased ECE (floor)", f"minus `{STAGE_REFERENCE}`",
+              "prefixes: debiased ECE (floor)", f"minus `{STAGE_REFERENCE}`"]
+    return (_table(header, rows, ["---", "---", "---", "---:", "---:", "---:", "---:"]) + "\n\n" + note
+            + " ".join(_source(ctx, f) for f in folders))

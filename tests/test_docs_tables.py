@@ -8,6 +8,7 @@ import re
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from scripts import docs_tables
@@ -422,6 +423,41 @@ def test_the_exploration_table_gives_the_debiased_ece_and_its_floor_and_refuses_
     (tmp_path / "reports" / "runs" / "run-1" / "metrics.json").write_text(
         json.dumps({"ablations": {"trace": stale}, "warmup": {}}))
     assert f"The reports of `{list(EXPLORATION_REPORTS)[1]}` have no debiased ECE" in exploration_table(ctx)
+
+
+def test_the_stages_table_pairs_each_arm_with_tree_random_by_seed_across_reports(tmp_path):
+    from tests.test_reliability import _seed_audits
+    from scripts.docs_tables_predictor import STAGE_ARMS, stages_table
+    from trace.predictor.reliability import calibration_noise, compact_rows, debiased_ece_difference, pool_diagrams
+
+    rng = np.random.default_rng(3)
+    gaps = {"tree_random": 0.0, "trace": 0.08, "trace_prefix": 0.0, "trace_root": 0.08}
+    audits = {arm: _seed_audits(rng, 4, gap) for arm, gap in gaps.items()}
+    index = {}
+    for key, arms in STAGE_ARMS.items():
+        entries = {arm: {"audit_diagrams": {stage: {f"s{s}": [compact_rows(r) for r in runs]
+                                                    for s, runs in audits[arm].items()} for stage in ("root", "prefix")}}
+                   for arm in arms}
+        if key == "stages":  # a fifth seed only one report holds is left out
+            entries["trace_root"]["audit_diagrams"]["root"]["s9"] = entries["trace_root"]["audit_diagrams"]["root"]["s0"]
+        folder = tmp_path / "reports" / "runs" / key
+        folder.mkdir(parents=True)
+        (folder / "metrics.json").write_text(json.dumps({"ablations": entries, "warmup": {}}))
+        index[key] = key
+    ctx = docs_tables.Context(root=tmp_path, doc=tmp_path / "docs" / "results.md", index=index)
+    text = stages_table(ctx)
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in text.splitlines() if line.startswith("| `")}
+    assert list(rows) == ["`tree_random`", "`trace`", "`trace_prefix`", "`trace_root`"]
+    want = calibration_noise([pool_diagrams(audits["trace_root"][s]) for s in range(4)])["debiased"]
+    assert rows["`trace_root`"][3].startswith(f"{want:.3f} [")
+    diff = debiased_ece_difference(audits["trace_root"], audits["tree_random"], resamples=1000)
+    assert rows["`trace_root`"][4] == f"{diff['difference']:+.3f} [{diff['low']:+.3f}, {diff['high']:+.3f}]"
+    assert diff["low"] > 0 and rows["`tree_random`"][4] == "reference"
+    assert "seeds 0-3 (those both reports hold)" in text
+    del entries["trace_root"]["audit_diagrams"]
+    (tmp_path / "reports" / "runs" / "stages" / "metrics.json").write_text(
+        json.dumps({"ablations": entries, "warmup": {}}))
+    assert "has no per-audit diagrams of `trace_root`" in stages_table(ctx)
 
 
 def test_the_accounting_table_gives_each_arms_steps_and_tokens_per_seed(tmp_path):

@@ -12,8 +12,8 @@ import pytest
 
 from trace.predictor.ground_truth import reliability_diagram
 from trace.predictor.calibration import expected_calibration_error
-from trace.predictor.reliability import audit_diagrams, calibration_noise, diagram_ece, diagram_metrics, \
-    draw_reliability, history_diagram, is_diagram_key, pool_diagrams, pooled_ece_interval
+from trace.predictor.reliability import audit_diagrams, calibration_noise, debiased_ece_difference, diagram_ece, \
+    diagram_metrics, draw_reliability, history_diagram, is_diagram_key, pool_diagrams, pooled_ece_interval
 
 
 def _audit(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -164,6 +164,39 @@ def test_the_debiased_ece_interval_resamples_seeds_and_covers_the_true_gap():
     assert all(math.isnan(x) for x in pooled_ece_interval(audits[:1], debiased=True))
 
 
+def _seed_audits(rng: np.random.Generator, seeds: int, gap: float) -> dict[int, list]:
+    """seed -> its 8 audits' diagrams (32 items, 16 outcomes each), forecasts ``gap`` below the truth's mean."""
+    out = {}
+    for seed in range(seeds):
+        history = {}
+        for step in range(8):
+            p = rng.uniform(0.05, 0.85, 32)
+            mean = np.clip(p + gap, 0.01, 0.99)
+            history[step] = (p, rng.binomial(16, rng.beta(4 * mean, 4 * (1 - mean))) / 16, np.full(32, 16.0))
+        out[seed] = audit_diagrams(_history(history), "prefix")
+    return out
+
+
+def test_the_paired_debiased_difference_draws_the_seeds_once_for_both_arms():
+    rng = np.random.default_rng(15)
+    calibrated, off = _seed_audits(rng, 6, 0.0), _seed_audits(rng, 6, 0.08)
+    result = debiased_ece_difference(off, calibrated, resamples=300)
+    assert result["seeds"] == 6 and result["difference"] == pytest.approx(result["a"] - result["b"])
+    assert result["a"] == pytest.approx(calibration_noise([pool_diagrams(off[s]) for s in range(6)])["debiased"])
+    assert 0.04 < result["low"] < result["difference"] < result["high"]  # 0.08 off: the interval excludes 0
+    same = debiased_ece_difference(calibrated, calibrated, resamples=300)
+    assert same["difference"] == 0 and same["low"] < 0 < same["high"]  # each arm's audits resampled apart
+    # seeds that differ (half of them 0.15 off) move both arms alike: drawn once for both, the difference's
+    # interval is far narrower than either arm's own (drawn apart, it would be about sqrt(2) times wider)
+    mixed = {**{s: _seed_audits(np.random.default_rng(s), 1, 0.15 * (s % 2))[0] for s in range(6)}}
+    paired = debiased_ece_difference(mixed, mixed, resamples=300)
+    own_low, own_high = pooled_ece_interval(list(mixed.values()), resamples=300, debiased=True)
+    assert paired["high"] - paired["low"] < 0.6 * (own_high - own_low)
+    # only common seeds count; fewer than two: nothing to say
+    assert debiased_ece_difference(off, {0: calibrated[0], 9: calibrated[1]}, resamples=10)["seeds"] == 1
+    assert math.isnan(debiased_ece_difference(off, {0: calibrated[0]}, resamples=10)["low"])
+
+
 def test_the_bin_metrics_name_the_stage_and_the_bin_and_refuse_an_unknown_stage():
     rows = reliability_diagram([0.05, 0.95, 0.97], [0.0, 1.0, 0.5], [4, 2, 2], 10)
     metrics = diagram_metrics("root", rows, 10)
@@ -245,6 +278,10 @@ def test_the_report_pools_each_arms_diagrams_and_draws_them(tmp_path: Path):
     assert table["pooled_ece_interval"] == {"root": {"low": low, "high": high}, "prefix": {"low": None, "high": None}}
     assert table["ece_floor"]["root"] == pytest.approx(noise["floor"]) and table["ece_floor"]["prefix"] is None
     assert table["debiased_ece_interval"]["root"] == {"low": dlow, "high": dhigh}
+    from trace.predictor.reliability import expand_rows
+    kept = {s: [expand_rows(rows) for rows in audits] for s, audits in table["audit_diagrams"]["root"].items()}
+    assert kept == {f"s{s}": [[{k: r[k] for k in ("lower", "count", "mean_forecast", "realised_rate")} for r in rows]
+                              for rows in audit_diagrams(res["history"], "root")] for s, res in results["trace"].items()}
     assert RELIABILITY_PLOT in [p.name for p in write_plots(results, tmp_path)]
     assert RELIABILITY_PLOT not in [p.name for p in write_plots(THREE_SEEDS, tmp_path)]  # stale one removed
     assert not (tmp_path / RELIABILITY_PLOT).exists()

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 __all__ = ["STAGES", "arm_reliability", "audit_diagrams", "calibration_noise", "diagram_ece", "diagram_metrics",
-           "draw_reliability", "history_diagram", "is_diagram_key", "pool_diagrams", "pooled_ece_interval"]
+           "compact_rows", "debiased_ece_difference", "draw_reliability", "expand_rows", "history_diagram", "is_diagram_key", "pool_diagrams",
+           "pooled_ece_interval"]
 
 STAGES = ("root", "prefix")
 FIELDS = {"outcomes": "count", "forecast": "mean_forecast", "realised": "realised_rate"}
@@ -139,6 +140,59 @@ def pooled_ece_interval(runs: Sequence[Sequence[Sequence[Mapping[str, float]]]],
     return float(np.nanquantile(scores, tail)), float(np.nanquantile(scores, 1.0 - tail))
 
 
+def debiased_ece_difference(runs_a: Mapping[int, Sequence[Sequence[Mapping[str, float]]]],
+                            runs_b: Mapping[int, Sequence[Sequence[Mapping[str, float]]]], confidence: float = 0.95,
+                            resamples: int = 2000, seed: int = 0) -> dict[str, float]:
+    """Two arms' debiased ECEs (``calibration_noise``) and their difference, paired by seed, with a percentile
+    bootstrap interval that draws the seeds once for both arms (then each arm's audits within each drawn seed).
+
+    Args:
+        runs_a, runs_b: seed -> that seed's (A,) per-audit diagrams (``audit_diagrams``) of one stage; only the
+            seeds both hold are used.
+        confidence: interval coverage.
+        resamples: bootstrap resamples.
+        seed: the resampling generator's seed (deterministic).
+
+    Returns:
+        ``{"a", "b", "difference", "low", "high", "seeds"}``: the debiased ECEs over the common seeds, ``a - b`` and
+        its interval, the number of common seeds; NaN with fewer than 2 common seeds.
+
+    References:
+        Davison and Hinkley (1997), Bootstrap Methods and their Application, section 3.8 (clusters first).
+    """
+    import numpy as np
+
+    common = sorted(s for s in runs_a if s in runs_b and len(runs_a[s]) and len(runs_b[s]))
+    nan = float("nan")
+    if len(common) < 2:
+        return {"a": nan, "b": nan, "difference": nan, "low": nan, "high": nan, "seeds": len(common)}
+    a = calibration_noise([pool_diagrams(runs_a[s]) for s in common])["debiased"]
+    b = calibration_noise([pool_diagrams(runs_b[s]) for s in common])["debiased"]
+    rng = np.random.default_rng(seed)
+    diffs = np.empty(resamples)
+    for k in range(resamples):
+        drawn = [common[i] for i in rng.integers(0, len(common), size=len(common))]
+        scores = [calibration_noise([pool_diagrams([runs[s][j] for j in rng.integers(0, len(runs[s]), len(runs[s]))])
+                                     for s in drawn])["debiased"] for runs in (runs_a, runs_b)]
+        diffs[k] = scores[0] - scores[1]
+    tail = (1.0 - confidence) / 2.0
+    return {"a": a, "b": b, "difference": a - b, "low": float(np.nanquantile(diffs, tail)),
+            "high": float(np.nanquantile(diffs, 1.0 - tail)), "seeds": len(common)}
+
+
+COMPACT_FIELDS = ("lower", "count", "mean_forecast", "realised_rate")  # a diagram row as a list, for metrics.json
+
+
+def compact_rows(rows: Sequence[Mapping[str, float]]) -> list[list[float]]:
+    """A diagram's rows as ``[lower, count, mean_forecast, realised_rate]`` lists (``expand_rows`` reads them)."""
+    return [[float(r[f]) for f in COMPACT_FIELDS] for r in rows]
+
+
+def expand_rows(compact: Sequence[Sequence[float]]) -> list[dict[str, float]]:
+    """``compact_rows``' lists back to rows with the fields ``calibration_noise`` and ``pool_diagrams`` read."""
+    return [dict(zip(COMPACT_FIELDS, map(float, row))) for row in compact]
+
+
 def calibration_noise(runs: Sequence[Sequence[Mapping[str, float]]], num_bins: int = 10) -> dict[str, float]:
     """The pooled ECE beside what noise alone makes of it: the ECE a calibrated predictor reads on the same sample
     (the floor) and the ECE with that noise taken out (debiased), the runs (seeds) as independent clusters.
@@ -205,7 +259,8 @@ def arm_reliability(histories: Mapping[int, Mapping[str, Sequence[tuple[int, flo
     Returns:
         ``{"reliability": {stage: rows} or None (nothing audited), "pooled_ece_seeds": {stage: {seed: ECE}},
         "pooled_ece_interval": {stage: (low, high)} or None, "ece_noise": {stage: {"floor", "debiased",
-        "debiased_interval": (low, high)}} or None}``.
+        "debiased_interval": (low, high)}} or None, "audit_diagrams": {stage: {seed: its per-audit diagrams}}}``
+        (the last for comparisons paired by seed across reports, ``debiased_ece_difference``).
     """
     per_seed = {stage: {seed: history_diagram(h, stage, num_bins) for seed, h in histories.items()}
                 for stage in STAGES}
@@ -214,9 +269,11 @@ def arm_reliability(histories: Mapping[int, Mapping[str, Sequence[tuple[int, flo
     out = {"reliability": diagrams if audited else None,
            "pooled_ece_seeds": {stage: {seed: diagram_ece(rows) for seed, rows in per_seed[stage].items()}
                                 for stage in STAGES},
-           "pooled_ece_interval": None, "ece_noise": None}
+           "pooled_ece_interval": None, "ece_noise": None, "audit_diagrams": None}
     if audited:
-        audits = {stage: [audit_diagrams(h, stage, num_bins) for h in histories.values()] for stage in STAGES}
+        by_seed = {stage: {seed: audit_diagrams(h, stage, num_bins) for seed, h in histories.items()} for stage in STAGES}
+        audits = {stage: list(by_seed[stage].values()) for stage in STAGES}
+        out["audit_diagrams"] = by_seed
         out["pooled_ece_interval"] = {stage: pooled_ece_interval(audits[stage], confidence) for stage in STAGES}
         out["ece_noise"] = {stage: {**{k: v for k, v in calibration_noise(per_seed[stage].values(), num_bins).items()
                                        if k != "pooled"},

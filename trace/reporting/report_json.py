@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from trace.predictor.reliability import diagram_ece
+from trace.predictor.reliability import compact_rows, diagram_ece
 from trace.reporting.report import CONFIDENCE, arm_statistics
 from trace.reporting.statistics import Interval, TargetCrossings
 from trace.reporting.verdicts import ALPHA, DEFAULT_MARGIN, FAMILIES, POWER, judge
@@ -107,6 +107,10 @@ def metrics_table(results: dict, pass_k: int, confidence: float = CONFIDENCE, wa
             if st.get("pooled_ece_interval"):  # a percentile bootstrap over the audits
                 entry["pooled_ece_interval"] = {stage: {"low": _clean(low), "high": _clean(high)}
                                                 for stage, (low, high) in st["pooled_ece_interval"].items()}
+            if st.get("audit_diagrams"):  # each seed's audits (compact_rows), for comparisons across reports
+                entry["audit_diagrams"] = {stage: {f"s{seed}": [compact_rows(rows) for rows in audits]
+                                                   for seed, audits in by_seed.items()}
+                                           for stage, by_seed in st["audit_diagrams"].items()}
             if st.get("ece_noise"):  # what a calibrated predictor reads here, and the ECE with that noise removed
                 entry["ece_floor"] = {stage: _clean(v["floor"]) for stage, v in st["ece_noise"].items()}
                 entry["debiased_ece"] = {stage: _clean(v["debiased"]) for stage, v in st["ece_noise"].items()}
