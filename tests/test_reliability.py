@@ -100,18 +100,24 @@ def test_the_pooled_ece_is_the_ece_of_the_union_and_below_the_mean_of_per_audit_
     assert np.isnan(diagram_ece([]))
 
 
-def _seed_diagrams(rng: np.random.Generator, seeds: int, gap: float = 0.0) -> list[list[dict]]:
-    """Each seed's pooled diagram over 8 audits of 32 items, 16 outcomes each: true probabilities scattered around
-    the forecast (Beta with mean ``forecast + gap``, clipped), a predictor calibrated when ``gap`` is 0."""
-    out = []
-    for _ in range(seeds):
-        audits = {}
+def _seed_audits(rng: np.random.Generator, seeds: int, gap: float, high: float = 0.85) -> dict[int, list]:
+    """seed -> its 8 audits' diagrams, each of 32 items with forecasts uniform in [0.05, ``high``] and 16 outcomes:
+    true probabilities scattered around the forecast (Beta with mean ``forecast + gap``, clipped), a predictor
+    calibrated when ``gap`` is 0."""
+    out = {}
+    for seed in range(seeds):
+        history = {}
         for step in range(8):
-            p = rng.uniform(0.05, 0.95, 32)
+            p = rng.uniform(0.05, high, 32)
             mean = np.clip(p + gap, 0.01, 0.99)
-            audits[step] = (p, rng.binomial(16, rng.beta(4 * mean, 4 * (1 - mean))) / 16, np.full(32, 16.0))
-        out.append(history_diagram(_history(audits), "prefix"))
+            history[step] = (p, rng.binomial(16, rng.beta(4 * mean, 4 * (1 - mean))) / 16, np.full(32, 16.0))
+        out[seed] = audit_diagrams(_history(history), "prefix")
     return out
+
+
+def _seed_diagrams(rng: np.random.Generator, seeds: int, gap: float = 0.0) -> list[list[dict]]:
+    """Each seed's pooled diagram (``_seed_audits`` with forecasts up to 0.95)."""
+    return [pool_diagrams(audits) for audits in _seed_audits(rng, seeds, gap, high=0.95).values()]
 
 
 def test_the_floor_is_what_a_calibrated_predictor_reads_and_the_debiased_ece_removes_it():
@@ -148,13 +154,7 @@ def test_calibration_noise_pools_like_diagram_ece_and_needs_two_runs():
 
 def test_the_debiased_ece_interval_resamples_seeds_and_covers_the_true_gap():
     rng = np.random.default_rng(14)
-    audits = []
-    for _ in range(6):  # per seed, its audits' diagrams, forecasts 0.1 too low
-        history = {}
-        for step in range(8):
-            p = rng.uniform(0.05, 0.85, 32)
-            history[step] = (p, rng.binomial(16, rng.beta(4 * (p + 0.1), 4 * (0.9 - p))) / 16, np.full(32, 16.0))
-        audits.append(audit_diagrams(_history(history), "prefix"))
+    audits = list(_seed_audits(rng, 6, 0.1).values())  # forecasts 0.1 too low
     low, high = pooled_ece_interval(audits, resamples=400, debiased=True)
     point = calibration_noise([pool_diagrams(a) for a in audits])["debiased"]
     assert low < point < high and low < 0.1 < high
@@ -162,19 +162,6 @@ def test_the_debiased_ece_interval_resamples_seeds_and_covers_the_true_gap():
     assert plain[0] > low  # the pooled ECE's interval sits higher: noise adds to it
     assert pooled_ece_interval(audits, resamples=400, debiased=True) == (low, high)
     assert all(math.isnan(x) for x in pooled_ece_interval(audits[:1], debiased=True))
-
-
-def _seed_audits(rng: np.random.Generator, seeds: int, gap: float) -> dict[int, list]:
-    """seed -> its 8 audits' diagrams (32 items, 16 outcomes each), forecasts ``gap`` below the truth's mean."""
-    out = {}
-    for seed in range(seeds):
-        history = {}
-        for step in range(8):
-            p = rng.uniform(0.05, 0.85, 32)
-            mean = np.clip(p + gap, 0.01, 0.99)
-            history[step] = (p, rng.binomial(16, rng.beta(4 * mean, 4 * (1 - mean))) / 16, np.full(32, 16.0))
-        out[seed] = audit_diagrams(_history(history), "prefix")
-    return out
 
 
 def test_the_paired_debiased_difference_draws_the_seeds_once_for_both_arms():
