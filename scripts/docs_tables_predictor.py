@@ -32,7 +32,8 @@ EXPLORATION_REPORTS = {"exploration-base": "none (`trace` as by default)",
 # index key -> a second reference it is also paired with (what it adds to that run alone)
 EXPLORATION_PAIRS = {"exploration-recalibrated": "exploration"}
 # index key -> the arms of that report the stages table reads, with what their stage 1 and stage 2 do
-STAGE_ARMS = {"exploration-base": {"tree_random": ("uniform", "random anchors"), "trace": ("by forecast", "by forecast")},
+STAGE_ARMS = {"exploration-base": {"tree_random": ("uniform", "random anchors"),
+                                   "trace": ("by forecast", "by forecast")},
               "stages": {"trace_prefix": ("uniform", "by forecast"), "trace_root": ("by forecast", "none")}}
 STAGE_REFERENCE = "tree_random"
 STAGE_RESAMPLES = 1000
@@ -111,8 +112,8 @@ def _calibration_rows(entries: dict[str, dict], noise: bool = False) -> list[lis
             pooled = _num(entry["pooled_ece"].get(stage)) + (
                 f" [{_num(interval['low'])}, {_num(interval['high'])}]" if interval.get("low") is not None else "")
             debiased = (entry.get("debiased_ece_interval") or {}).get(stage) or {}
-            cells = [f"{_num(entry['debiased_ece'][stage])} [{_num(debiased.get('low'))}, {_num(debiased.get('high'))}]",
-                     _num(entry["ece_floor"][stage])] if noise else []
+            cells = [f"{_num(entry['debiased_ece'][stage])} [{_num(debiased.get('low'))}, "
+                     f"{_num(debiased.get('high'))}]", _num(entry["ece_floor"][stage])] if noise else []
             rows.append([what, stage, pooled, *cells,
                          ", ".join(f"s{s} {_num(v)}" for s, v in sorted(seeds.items())),
                          _pm(audit.get(f"truth/{stage}_ece")), _pm(audit.get(f"truth/{stage}_auc")),
@@ -196,7 +197,8 @@ def exploration_table(ctx: Context) -> str:
     note += " Per seed, mean [95 % t-interval]: " + "; ".join(parts) + "."
     sources = " ".join(_source(ctx, folder) for folder, _, _ in entries.values())
     header = ["exploration groups", "stage", SCORE_HEADER[0], "debiased ECE", "floor"] + SCORE_HEADER[1:]
-    return _table(header, rows, ["---", "---", "---:", "---:", "---:", "---"] + ["---:"] * 5) + "\n\n" + note + " " + sources
+    return (_table(header, rows, ["---", "---", "---:", "---:", "---:", "---"] + ["---:"] * 5) + "\n\n" + note + " "
+            + sources)
 
 
 def _seed_range(entry: dict) -> str:
@@ -251,8 +253,9 @@ def stages_table(ctx: Context) -> str:
                 cells.append(f"{_num(diff['difference'], 3, True)} [{_num(diff['low'], 3, True)}, "
                              f"{_num(diff['high'], 3, True)}]")
             rows.append(cells)
-    note = (f"Each arm's forecasts on the unselected sample against Monte-Carlo truth, 80 steps, audited every 10 steps, "
-            f"seeds {seeds[0]}-{seeds[-1]} (those both reports hold), one CPU: the debiased ECE [95 % bootstrap interval, "
+    note = (f"Each arm's forecasts on the unselected sample against Monte-Carlo truth, 80 steps, audited every 10 "
+            f"steps, seeds {seeds[0]}-{seeds[-1]} (those both reports hold), one CPU: the debiased ECE [95 % bootstrap "
+            "interval, "
             "seeds then audits resampled] (floor: what a predictor calibrated in every bin reads on the same audits), "
             f"and its difference from `{STAGE_REFERENCE}`'s, paired by seed: the seeds drawn once for both arms, each "
             f"arm's audits within them ({STAGE_RESAMPLES:,} resamples; no correction over the six differences). "

@@ -20,9 +20,9 @@ import re
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-__all__ = ["STAGES", "arm_reliability", "audit_diagrams", "calibration_noise", "diagram_ece", "diagram_metrics",
-           "compact_rows", "debiased_ece_difference", "draw_reliability", "expand_rows", "history_diagram", "is_diagram_key", "pool_diagrams",
-           "pooled_ece_interval"]
+__all__ = ["STAGES", "arm_reliability", "audit_diagrams", "calibration_noise", "compact_rows", "debiased_ece_difference",
+           "diagram_ece", "diagram_metrics", "draw_reliability", "expand_rows", "history_diagram", "is_diagram_key",
+           "pool_diagrams", "pooled_ece_interval"]
 
 STAGES = ("root", "prefix")
 FIELDS = {"outcomes": "count", "forecast": "mean_forecast", "realised": "realised_rate"}
@@ -271,7 +271,8 @@ def arm_reliability(histories: Mapping[int, Mapping[str, Sequence[tuple[int, flo
                                 for stage in STAGES},
            "pooled_ece_interval": None, "ece_noise": None, "audit_diagrams": None}
     if audited:
-        by_seed = {stage: {seed: audit_diagrams(h, stage, num_bins) for seed, h in histories.items()} for stage in STAGES}
+        by_seed = {stage: {seed: audit_diagrams(h, stage, num_bins) for seed, h in histories.items()}
+                   for stage in STAGES}
         audits = {stage: list(by_seed[stage].values()) for stage in STAGES}
         out["audit_diagrams"] = by_seed
         out["pooled_ece_interval"] = {stage: pooled_ece_interval(audits[stage], confidence) for stage in STAGES}
