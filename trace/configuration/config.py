@@ -16,8 +16,8 @@ from typing import Any, Literal, Optional
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from trace.allocation.arms import ARMS, DIAGNOSTIC_ARMS
-from trace.configuration.config_checks import check_candidate_pool, check_evaluate_split, check_root_budgets, \
-    check_root_recalibration
+from trace.configuration.config_checks import check_candidate_pool, check_evaluate_split, check_explore_weight, \
+    check_root_budgets, check_root_recalibration
 from trace.configuration.config_allocators import ORACLE_SAMPLES, AllocationConfig, GresoConfig, MoppsConfig, \
     ReinforceAdaConfig, VipConfig  # noqa: F401  (re-exported: allocation and its per-rule sections)
 from trace.configuration.config_tasks import KGQAConfig, SimulatorConfig  # noqa: F401  (re-exported: task.kgqa, task.simulator)
@@ -309,6 +309,7 @@ class Config(_Section):
         check_candidate_pool(self)
         check_evaluate_split(self)
         check_root_recalibration(self)
+        check_explore_weight(self)
         return self
 
     @property
@@ -331,6 +332,7 @@ class Config(_Section):
         off (it never changes what an arm trains), ``predictor.recalibrate`` off (``recalibrate_map`` while ``platt``,
         ``recalibrate_roots`` while ``window``),
         ``allocation.oracle_samples`` at its default (only ``trace_oracle`` reads it), ``allocation.explore_groups: 0``,
+        ``predictor.explore_weight: 1``,
         the token budget's keys and ``train.prompt_pool`` unset, ``warmup.seed`` unset, ``evaluate.split: eval`` and
         ``task.kgqa.num_test: 0`` (as before they existed).
         """
@@ -349,6 +351,8 @@ class Config(_Section):
             data["allocation"].pop("oracle_samples")
         if not self.allocation.explore_groups:  # as before it existed
             data["allocation"].pop("explore_groups")
+        if data["predictor"]["explore_weight"] == 1.0:  # as before it existed
+            data["predictor"].pop("explore_weight")
         for key in ("token_budget", "eval_every_tokens", "prompt_pool"):  # unset: the hash of a run from before them
             if data["train"].get(key) is None:
                 data["train"].pop(key, None)

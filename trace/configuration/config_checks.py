@@ -101,6 +101,18 @@ def check_root_recalibration(cfg) -> None:
                              "window")
 
 
+def check_explore_weight(cfg) -> None:
+    """``predictor.explore_weight`` other than 1 weights the exploration groups' roots: there must be some.
+
+    Raises:
+        ValueError: naming ``predictor.explore_weight`` and ``allocation.explore_groups``.
+    """
+    if cfg.predictor.explore_weight != 1.0 and not cfg.allocation.explore_groups:
+        raise ValueError(f"predictor.explore_weight={cfg.predictor.explore_weight!r} weights the exploration groups' "
+                         "roots in the predictor's fit, and allocation.explore_groups is 0: set "
+                         "allocation.explore_groups > 0, or explore_weight: 1")
+
+
 def check_evaluate_split(cfg) -> None:
     """``evaluate.split: test`` reads a test split the task generates: ``task.kgqa.num_test`` questions, at least
     ``evaluate.num_prompts`` of them (a held-out claim on fewer questions than asked for would be silent).

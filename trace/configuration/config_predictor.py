@@ -73,3 +73,15 @@ class PredictorConfig(Section):
         "window", description="predictor.recalibrate: fit the root map on every root group of the window (window), or "
         "on its exploration groups alone (explore: drawn uniformly, so not selected on the forecast; needs "
         "allocation.explore_groups > 0)")
+    explore_weight: Literal["balanced"] | float = Field(
+        1.0, description="weight of an exploration group's root in the predictor's fit, against 1 for a root stage "
+        "1 chose: a number > 0, or balanced = (candidates stage 1 passed over) / (exploration groups) per step, "
+        "trace.training.exploration_weights; needs allocation.explore_groups > 0 where not 1")
+
+    @model_validator(mode="after")
+    def _check_explore_weight(self) -> "PredictorConfig":
+        """``explore_weight`` is ``balanced`` or a finite number > 0."""
+        w = self.explore_weight
+        if w != "balanced" and not (isinstance(w, (int, float)) and 0 < w < float("inf")):
+            raise ValueError(f"predictor.explore_weight={w!r} must be a finite number > 0 or 'balanced'")
+        return self

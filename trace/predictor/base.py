@@ -115,8 +115,9 @@ class SuccessPredictor(Protocol):
         """``predict_nodes`` for many trees in one batch: one (K_i,) float64 array per tree."""
         ...
 
-    def fit(self, trees: Sequence[RolloutTree]) -> dict[str, float]:
-        """Refit on a window of trees; returns ``predictor/*`` diagnostics."""
+    def fit(self, trees: Sequence[RolloutTree], root_weights: Sequence[float] | None = None) -> dict[str, float]:
+        """Refit on a window of trees, each tree's root example weighted by ``root_weights`` ((T,) positive
+        multipliers, ``None`` = 1; ``labels.node_examples``); returns ``predictor/*`` diagnostics."""
         ...
 
     def evaluate(self, trees: Sequence[RolloutTree]) -> dict[str, float]:

@@ -142,7 +142,7 @@ class HeadPredictorBase(PredictorBase):
     def _predict_flat(self, trees: Sequence[RolloutTree], node_ids: list[list[int]]) -> np.ndarray:
         return self._predict_features(self._features(trees, node_ids))
 
-    def fit(self, trees: Sequence[RolloutTree]) -> dict[str, float]:
+    def fit(self, trees: Sequence[RolloutTree], root_weights: Sequence[float] | None = None) -> dict[str, float]:
         """Train the head on the labelled nodes of ``trees`` for ``cfg.epochs`` epochs at ``cfg.lr``.
 
         The head keeps its weights from the previous fit (warm start); the optimiser and the minibatch order
@@ -150,13 +150,14 @@ class HeadPredictorBase(PredictorBase):
 
         Args:
             trees: the sliding window of recent trees.
+            root_weights: (T,) multipliers of each tree's root example weight (``node_examples``); ``None`` = 1.
 
         Returns:
             ``predictor/fit_loss`` (weighted cross-entropy after training, nats; ``nan`` with no examples),
             ``predictor/fit_examples``, ``predictor/fit_outcomes``, ``predictor/feature_seconds``,
             ``predictor/fit_seconds``.
         """
-        node_ids, labels, weights, _ = node_examples(trees)
+        node_ids, labels, weights, _ = node_examples(trees, root_weights)
         out = {"predictor/fit_examples": float(labels.size), "predictor/fit_outcomes": float(weights.sum())}
         if labels.size == 0:
             return {**out, "predictor/fit_loss": float("nan"), "predictor/feature_seconds": 0.0,

@@ -63,15 +63,23 @@ class HistoryPredictor(PredictorBase):
     def _predict_flat(self, trees: Sequence[RolloutTree], node_ids: list[list[int]]) -> np.ndarray:
         return self._posterior_mean([t.prompt_uid for t, ids in zip(trees, node_ids) for _ in ids])
 
-    def fit(self, trees: Sequence[RolloutTree]) -> dict[str, float]:
+    def fit(self, trees: Sequence[RolloutTree], root_weights: Sequence[float] | None = None) -> dict[str, float]:
         """Add the root-rollout rewards of trees not counted before to their prompts' counts.
+
+        Args:
+            trees: the sliding window of recent trees.
+            root_weights: (T,) positive multipliers: each of tree t's outcomes counts ``root_weights[t]`` times;
+                ``None`` = 1.
 
         Returns:
             ``predictor/fit_new_trees``, ``predictor/fit_new_outcomes`` (leaves added now),
             ``predictor/num_prompts_seen``.
         """
         new_trees, new_outcomes = 0, 0
-        for tree in trees:
+        weights = np.ones(len(trees)) if root_weights is None else np.asarray(root_weights, dtype=np.float64)
+        if weights.shape != (len(trees),) or not np.all(weights > 0):
+            raise ValueError(f"root_weights must be {len(trees)} positive values, one per tree; got {weights.shape}")
+        for tree, weight in zip(trees, weights.tolist()):  # python floats: the state loads with weights_only
             if tree.tree_id in self.counted_tree_ids:
                 continue
             self.counted_tree_ids.add(tree.tree_id)
@@ -81,8 +89,8 @@ class HistoryPredictor(PredictorBase):
                     continue
                 reward = tree.reward_of(leaf)
                 uid = tree.prompt_uid
-                self.successes[uid] = self.successes.get(uid, 0.0) + reward
-                self.failures[uid] = self.failures.get(uid, 0.0) + (1.0 - reward)
+                self.successes[uid] = self.successes.get(uid, 0.0) + weight * reward
+                self.failures[uid] = self.failures.get(uid, 0.0) + weight * (1.0 - reward)
                 new_outcomes += 1
         return {"predictor/fit_new_trees": float(new_trees), "predictor/fit_new_outcomes": float(new_outcomes),
                 "predictor/num_prompts_seen": float(len(self.successes))}

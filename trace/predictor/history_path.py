@@ -168,17 +168,20 @@ class HistoryPathPredictor(PredictorBase):
             out.append(pred)
         return np.concatenate(out)
 
-    def fit(self, trees: Sequence[RolloutTree], newton_steps: int = 25) -> dict[str, float]:
+    def fit(self, trees: Sequence[RolloutTree], root_weights: Sequence[float] | None = None,
+            newton_steps: int = 25) -> dict[str, float]:
         """Count the new trees' root outcomes, then refit the prefix regression on every labelled turn node.
 
         Args:
             trees: the sliding window of recent trees.
+            root_weights: (T,) multipliers of each tree's root outcomes in the history counts
+                (``HistoryPredictor.fit``); the turn regression is unweighted by them.
             newton_steps: most Newton iterations (stops early once no weight moves by 1e-8).
 
         Returns:
             ``predictor/fit_examples`` (turn nodes) and ``predictor/fit_loss`` (weighted log loss, nats).
         """
-        self.history.fit(trees)
+        self.history.fit(trees, root_weights)
         rows, labels, weights = [], [], []
         for tree in trees:
             ids = [i for i in labelled_node_ids(tree) if i > 0]

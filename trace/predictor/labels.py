@@ -31,25 +31,38 @@ def labelled_node_ids(tree: RolloutTree) -> list[int]:
     return [int(i) for i in np.flatnonzero(has_child & (num_leaves > 0))]
 
 
-def node_examples(trees: Sequence[RolloutTree]) -> tuple[list[list[int]], np.ndarray, np.ndarray, np.ndarray]:
+def node_examples(trees: Sequence[RolloutTree], root_weights: Sequence[float] | None = None
+                  ) -> tuple[list[list[int]], np.ndarray, np.ndarray, np.ndarray]:
     """The labelled nodes of every tree with their labels and weights.
 
     Args:
         trees: rollout trees with rewards at their leaves.
+        root_weights: (T,) positive multipliers of each tree's root weight (``exploration_root_weights``: the
+            importance weights of exploration groups); ``None`` = 1 for every tree. Turn nodes keep their leaf
+            counts.
 
     Returns:
         ``(node_ids, labels, weights, is_root)``: the labelled node ids per tree (``labelled_node_ids``), and
-        over all of them in tree order (N,) float64 success fractions in [0, 1], (N,) float64 leaf counts and
-        (N,) bool root flags.
+        over all of them in tree order (N,) float64 success fractions in [0, 1], (N,) float64 leaf counts (a
+        root's times its ``root_weights`` entry) and (N,) bool root flags.
+
+    Raises:
+        ValueError: if ``root_weights`` is not one finite positive value per tree.
     """
+    if root_weights is not None:
+        root_weights = np.asarray(root_weights, dtype=np.float64)
+        if root_weights.shape != (len(trees),) or not np.all(np.isfinite(root_weights) & (root_weights > 0)):
+            raise ValueError(f"root_weights must be {len(trees)} finite positive values, one per tree; got shape "
+                             f"{root_weights.shape}")
     node_ids, labels, weights, is_root = [], [], [], []
-    for tree in trees:
+    for t, tree in enumerate(trees):
         ids = labelled_node_ids(tree)
         label, weight = tree.node_success_labels()
+        roots = np.array([tree.nodes[i].is_root for i in ids], dtype=bool)
         node_ids.append(ids)
         labels.append(label[ids])
-        weights.append(weight[ids])
-        is_root.append(np.array([tree.nodes[i].is_root for i in ids], dtype=bool))
+        weights.append(weight[ids] * np.where(roots, 1.0 if root_weights is None else root_weights[t], 1.0))
+        is_root.append(roots)
     if not trees:
         return [], np.zeros(0), np.zeros(0), np.zeros(0, dtype=bool)
     return node_ids, np.concatenate(labels), np.concatenate(weights), np.concatenate(is_root)

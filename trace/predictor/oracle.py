@@ -78,8 +78,8 @@ class OraclePredictor(PredictorBase):
         check_prompt_args(prompts, root_texts)
         return clip_predictions(self._true_prompt_values(prompts), self.cfg.clip)
 
-    def fit(self, trees: Sequence[RolloutTree]) -> dict[str, float]:
-        """Nothing to learn; returns ``{}``."""
+    def fit(self, trees: Sequence[RolloutTree], root_weights: Sequence[float] | None = None) -> dict[str, float]:
+        """Nothing to learn (``root_weights`` is ignored); returns ``{}``."""
         return {}
 
     def state_dict(self) -> dict[str, Any]:

@@ -168,9 +168,9 @@ class PolicyHeadPredictor(HeadPredictorBase):
             return np.zeros((0, self.input_dim or 0), dtype=np.float32)
         return np.stack(rows).astype(np.float32)
 
-    def fit(self, trees: Sequence[RolloutTree]) -> dict[str, float]:
+    def fit(self, trees: Sequence[RolloutTree], root_weights: Sequence[float] | None = None) -> dict[str, float]:
         """``HeadPredictorBase.fit``, then drop the cached features of trees outside ``trees`` (the window)."""
-        out = super().fit(trees)
+        out = super().fit(trees, root_weights)
         window = {t.tree_id for t in trees}
         self._feature_cache = {k: v for k, v in self._feature_cache.items() if k[0] in window}
         return out

@@ -27,6 +27,8 @@ folder must be on a file system every node sees.
 
 from __future__ import annotations
 
+import hashlib
+import io
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -41,6 +43,7 @@ from trace.training.checkpoint import load_allocator_state, load_checkpoint, wri
 from trace.configuration.config import Config
 from trace.envs.base import Environment, Prompt
 from trace.training.evaluation import MetricsFn, evaluate_policy, success_rates
+from trace.training.exploration_weights import exploration_root_weights
 from trace.training.parallel import DataParallelSampler, all_gather_objects, barrier, is_main_process, rank, world_size
 from trace.sampling import make_rollout_backend, sampling_spec
 from trace.policy.lora import apply_lora
@@ -183,9 +186,6 @@ class Trainer:
 
     def _check_same_predictor(self) -> None:
         """Every rank must hold the same predictor after the refit (it decides the next allocation)."""
-        import hashlib
-        import io
-
         import torch
 
         buf = io.BytesIO()
@@ -250,8 +250,9 @@ class Trainer:
         if all_for_metrics:
             metrics.update(self.predictor.evaluate(all_for_metrics))
         window = previous + all_for_metrics
-        if window:
-            metrics.update({k: v for k, v in self.predictor.fit(window).items() if isinstance(v, (int, float))})
+        if window:  # the exploration groups' roots weighted by predictor.explore_weight (None: all 1)
+            fitted = self.predictor.fit(window, exploration_root_weights(window, self.spec, self.train_prompts, cfg))
+            metrics.update({k: v for k, v in fitted.items() if isinstance(v, (int, float))})
         if self.world_size > 1:
             self._check_same_predictor()
             metrics.update(sampler.split(all_for_metrics))
@@ -312,8 +313,7 @@ class Trainer:
         due = bool(marks) if tcfg.eval_every_tokens else (step + 1) % tcfg.eval_every == 0 or self.budget_spent
         if (due or step + 1 == tcfg.num_steps) and is_main_process():
             t0 = time.perf_counter()
-            # the same seed at every evaluation: each curve point samples the same streams (avg@k free of a
-            # per-evaluation draw)
+            # the same seed at every evaluation: every curve point samples the same streams (avg@k included)
             ev, _ = evaluate_policy(self.policy, self.env, self.eval_prompts[: cfg.train.eval_prompts], cfg.rollout,
                                     seed=step_seed(cfg.seed, 0, "eval"), backend=self.backend,
                                     max_context_tokens=cfg.policy.max_context_tokens,
