@@ -16,16 +16,18 @@ RUNS = Path("reports") / "runs"
 BENCHMARKS = Path("reports") / "benchmarks"
 INDEX = RUNS / "index.yaml"
 # index.yaml keys: the reports (reports/metrics.json of the report stage) of `make run`, `make run-paper`, the
-# earlier 75-step run, `make run-grid` (every arm), the predictor run, `make run-tokens` (equal tokens), `trace`'s
+# earlier 75-step run, every arm (the 160-step study with prompts recurring), the predictor run, `make run-tokens` (equal tokens), `trace`'s
 # reliability diagrams with the predictor's forecasts and with the Platt and isotonic maps, and without and with
-# exploration groups (and two predictor fits, and the root map fitted on them), stage 1 or stage 2 alone by forecast
+# exploration groups (and two predictor fits, the root map fitted on them, their roots weighted in the fit), stage 1
+# or stage 2 alone by forecast
 # (trace_root, trace_prefix; read beside exploration-base), `make run-paper` over
 # warmups (the pooled study of scripts.warmup_study, in that format) and each warmup's own report in it (its w0/, w1/);
 # and the real-data
 # presets (that format too, or the earlier per-stage one: warmup_stage, <arm>.eval, <arm>.train_summary)
 ABLATION_REPORTS = ("default", "paper", "long", "all-arms", "predictor", "tokens", "reliability", "recalibrated",
                     "isotonic", "paper-warmups", "paper-w0", "paper-w1", "exploration-base", "exploration",
-                    "exploration-window4", "exploration-epochs3", "exploration-recalibrated", "stages")
+                    "exploration-window4", "exploration-epochs3", "exploration-recalibrated", "exploration-weighted",
+                    "stages")
 PRESET_REPORTS = ("hotpotqa", "gsm8k", "bfcl")
 
 

@@ -28,14 +28,18 @@ EXPLORATION_REPORTS = {"exploration-base": "none (`trace` as by default)",
                        "exploration-window4": "2 a step, window of 4 steps (`predictor.window_steps: 4`)",
                        "exploration-epochs3": "2 a step, 3 epochs a fit (`predictor.epochs: 3`)",
                        "exploration-recalibrated": "2 a step, the root map fitted on them "
-                                                   "(`predictor.recalibrate_roots: explore`)"}
+                                                   "(`predictor.recalibrate_roots: explore`)",
+                       "exploration-weighted": "2 a step, weighted for the candidates stage 1 passed over "
+                                               "(`predictor.explore_weight: balanced`)"}
 # index key -> a second reference it is also paired with (what it adds to that run alone)
-EXPLORATION_PAIRS = {"exploration-recalibrated": "exploration"}
+EXPLORATION_PAIRS = {"exploration-recalibrated": "exploration", "exploration-weighted": "exploration"}
 # index key -> the arms of that report the stages table reads, with what their stage 1 and stage 2 do
 STAGE_ARMS = {"exploration-base": {"tree_random": ("uniform", "random anchors"),
                                    "trace": ("by forecast", "by forecast")},
-              "stages": {"trace_prefix": ("uniform", "by forecast"), "trace_root": ("by forecast", "none")}}
-STAGE_REFERENCE = "tree_random"
+              "stages": {"trace_prefix": ("uniform", "by forecast"), "trace_root": ("by forecast", "none")},
+              "exploration-weighted": {"trace": ("by forecast, 2 uniform groups weighted for the rest "
+                                                 "(`predictor.explore_weight: balanced`)", "by forecast")}}
+STAGE_REFERENCE = ("exploration-base", "tree_random")  # (index key, arm) every other row is paired with
 STAGE_RESAMPLES = 1000
 AVGK = "eval/accuracy/mean_at_8"
 PLURAL = {"root": "roots", "prefix": "prefixes"}
@@ -232,22 +236,23 @@ def stages_table(ctx: Context) -> str:
             if "audit_diagrams" not in entry:
                 return (f"The report of `{key}` has no per-audit diagrams of `{arm}` (written before they were kept): "
                         "write it again with `python -m flows.report` in its runs' checkout. " + _source(ctx, folder))
-            audits[arm] = {stage: {int(s[1:]): [expand_rows(rows) for rows in runs] for s, runs in by_seed.items()}
+            audits[key, arm] = {stage: {int(s[1:]): [expand_rows(rows) for rows in runs] for s, runs in by_seed.items()}
                            for stage, by_seed in entry["audit_diagrams"].items()}
     seeds = sorted(set.intersection(*(set(a["root"]) for a in audits.values())))
+    reference = STAGE_REFERENCE[1]
     rows = []
     for key, arms in STAGE_ARMS.items():
         for arm, (stage1, stage2) in arms.items():
             cells = [f"`{arm}`", stage1, stage2]
             for stage in ("root", "prefix"):
-                runs = [audits[arm][stage][s] for s in seeds]
+                runs = [audits[key, arm][stage][s] for s in seeds]
                 noise = calibration_noise([pool_diagrams(r) for r in runs])
                 low, high = pooled_ece_interval(runs, resamples=STAGE_RESAMPLES, debiased=True)
                 cells.append(f"{_num(noise['debiased'])} [{_num(low)}, {_num(high)}] ({_num(noise['floor'])})")
-                if arm == STAGE_REFERENCE:
+                if (key, arm) == STAGE_REFERENCE:
                     cells.append("reference")
                     continue
-                diff = debiased_ece_difference({s: audits[arm][stage][s] for s in seeds},
+                diff = debiased_ece_difference({s: audits[key, arm][stage][s] for s in seeds},
                                                {s: audits[STAGE_REFERENCE][stage][s] for s in seeds},
                                                resamples=STAGE_RESAMPLES)
                 cells.append(f"{_num(diff['difference'], 3, True)} [{_num(diff['low'], 3, True)}, "
@@ -257,10 +262,11 @@ def stages_table(ctx: Context) -> str:
             f"steps, seeds {seeds[0]}-{seeds[-1]} (those both reports hold), one CPU: the debiased ECE [95 % bootstrap "
             "interval, "
             "seeds then audits resampled] (floor: what a predictor calibrated in every bin reads on the same audits), "
-            f"and its difference from `{STAGE_REFERENCE}`'s, paired by seed: the seeds drawn once for both arms, each "
-            f"arm's audits within them ({STAGE_RESAMPLES:,} resamples; no correction over the six differences). "
+            f"and its difference from `{reference}`'s, paired by seed: the seeds drawn once for both arms, each "
+            f"arm's audits within them ({STAGE_RESAMPLES:,} resamples; no correction over the {2 * (len(rows) - 1)} "
+            "differences). "
             "Stage 1: how the roots are chosen; stage 2: how the continuations' anchors are. ")
-    header = ["arm", "stage 1", "stage 2", "roots: debiased ECE (floor)", f"minus `{STAGE_REFERENCE}`",
-              "prefixes: debiased ECE (floor)", f"minus `{STAGE_REFERENCE}`"]
+    header = ["arm", "stage 1", "stage 2", "roots: debiased ECE (floor)", f"minus `{reference}`",
+              "prefixes: debiased ECE (floor)", f"minus `{reference}`"]
     return (_table(header, rows, ["---", "---", "---", "---:", "---:", "---:", "---:"]) + "\n\n" + note
             + " ".join(_source(ctx, f) for f in folders))

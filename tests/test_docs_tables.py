@@ -432,11 +432,13 @@ def test_the_stages_table_pairs_each_arm_with_tree_random_by_seed_across_reports
 
     rng = np.random.default_rng(3)
     gaps = {"tree_random": 0.0, "trace": 0.08, "trace_prefix": 0.0, "trace_root": 0.08}
-    audits = {arm: _seed_audits(rng, 4, gap) for arm, gap in gaps.items()}
+    audits = {(key, arm): _seed_audits(rng, 4, 0.0 if key == "exploration-weighted" else gaps[arm])
+              for key, arms in STAGE_ARMS.items() for arm in arms}
     index = {}
     for key, arms in STAGE_ARMS.items():
         entries = {arm: {"audit_diagrams": {stage: {f"s{s}": [compact_rows(r) for r in runs]
-                                                    for s, runs in audits[arm].items()} for stage in ("root", "prefix")}}
+                                                    for s, runs in audits[key, arm].items()}
+                                            for stage in ("root", "prefix")}}
                    for arm in arms}
         if key == "stages":  # a fifth seed only one report holds is left out
             kept = entries["trace_root"]["audit_diagrams"]["root"]
@@ -445,19 +447,28 @@ def test_the_stages_table_pairs_each_arm_with_tree_random_by_seed_across_reports
         folder.mkdir(parents=True)
         (folder / "metrics.json").write_text(json.dumps({"ablations": entries, "warmup": {}}))
         index[key] = key
+        if key == "stages":
+            stages_entries = entries
     ctx = docs_tables.Context(root=tmp_path, doc=tmp_path / "docs" / "results.md", index=index)
     text = stages_table(ctx)
-    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in text.splitlines() if line.startswith("| `")}
-    assert list(rows) == ["`tree_random`", "`trace`", "`trace_prefix`", "`trace_root`"]
-    want = calibration_noise([pool_diagrams(audits["trace_root"][s]) for s in range(4)])["debiased"]
+    lines = [line.split(" | ") for line in text.splitlines() if line.startswith("| `")]
+    assert [cells[0][2:] for cells in lines] == ["`tree_random`", "`trace`", "`trace_prefix`", "`trace_root`",
+                                                 "`trace`"]
+    rows = {cells[0][2:]: cells for cells in lines[:4]}
+    want = calibration_noise([pool_diagrams(audits["stages", "trace_root"][s]) for s in range(4)])["debiased"]
     assert rows["`trace_root`"][3].startswith(f"{want:.3f} [")
-    diff = debiased_ece_difference(audits["trace_root"], audits["tree_random"], resamples=1000)
+    reference = audits["exploration-base", "tree_random"]
+    diff = debiased_ece_difference(audits["stages", "trace_root"], reference, resamples=1000)
     assert rows["`trace_root`"][4] == f"{diff['difference']:+.3f} [{diff['low']:+.3f}, {diff['high']:+.3f}]"
     assert diff["low"] > 0 and rows["`tree_random`"][4] == "reference"
-    assert "seeds 0-3 (those both reports hold)" in text
-    del entries["trace_root"]["audit_diagrams"]
+    # the same arm of another report is its own row, paired with the reference on its own audits
+    diff = debiased_ece_difference(audits["exploration-weighted", "trace"], reference, resamples=1000)
+    assert lines[4][4] == f"{diff['difference']:+.3f} [{diff['low']:+.3f}, {diff['high']:+.3f}]"
+    assert lines[4][4] != rows["`trace`"][4] and "explore_weight: balanced" in lines[4][1]
+    assert "seeds 0-3 (those both reports hold)" in text and "no correction over the 8 differences" in text
+    del stages_entries["trace_root"]["audit_diagrams"]
     (tmp_path / "reports" / "runs" / "stages" / "metrics.json").write_text(
-        json.dumps({"ablations": entries, "warmup": {}}))
+        json.dumps({"ablations": stages_entries, "warmup": {}}))
     assert "has no per-audit diagrams of `trace_root`" in stages_table(ctx)
 
 
