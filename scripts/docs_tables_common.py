@@ -16,11 +16,11 @@ RUNS = Path("reports") / "runs"
 BENCHMARKS = Path("reports") / "benchmarks"
 INDEX = RUNS / "index.yaml"
 # index.yaml keys: the reports (reports/metrics.json of the report stage) of `make run`, `make run-paper`, the
-# earlier 75-step run, every arm (the 160-step study with prompts recurring), the predictor run, `make run-tokens` (equal tokens), `trace`'s
-# reliability diagrams with the predictor's forecasts and with the Platt and isotonic maps, and without and with
-# exploration groups (and two predictor fits, the root map fitted on them, their roots weighted in the fit), stage 1
-# or stage 2 alone by forecast
-# (trace_root, trace_prefix; read beside exploration-base), `make run-paper` over
+# earlier 75-step run, every arm (the 160-step study with prompts recurring), the predictor run, `make run-tokens`
+# (equal tokens), `trace`'s reliability diagrams with the predictor's forecasts and with the Platt and isotonic
+# maps, and without and with exploration groups (and two predictor fits, the root map fitted on them, their roots
+# weighted in the fit), stage 1 or stage 2 alone by forecast (trace_root, trace_prefix; read beside
+# exploration-base), `make run-paper` over
 # warmups (the pooled study of scripts.warmup_study, in that format) and each warmup's own report in it (its w0/, w1/);
 # and the real-data
 # presets (that format too, or the earlier per-stage one: warmup_stage, <arm>.eval, <arm>.train_summary)

@@ -57,7 +57,7 @@ def test_the_history_predictor_counts_a_weighted_trees_outcomes_that_many_times(
     weighted.save(tmp_path / "history.pt")  # the weighted counts save and load back (torch's weights_only load)
     loaded = load_predictor(tmp_path / "history.pt", PredictorConfig(kind=PredictorKind.HISTORY))
     assert loaded.successes == weighted.successes
-    with pytest.raises(ValueError, match="root_weights must be 2 positive values"):
+    with pytest.raises(ValueError, match="root_weights must be 2 finite positive values"):
         make_predictor(PredictorConfig(kind=PredictorKind.HISTORY)).fit(trees, [1.0, -1.0])
 
 

@@ -13,6 +13,7 @@ import numpy as np
 from trace.configuration.config import PredictorConfig, PredictorKind
 from trace.envs.base import Prompt
 from trace.predictor.base import PredictorBase, check_prompt_args, clip_predictions
+from trace.predictor.labels import check_root_weights
 from trace.tree import Origin, RolloutTree
 
 
@@ -76,9 +77,7 @@ class HistoryPredictor(PredictorBase):
             ``predictor/num_prompts_seen``.
         """
         new_trees, new_outcomes = 0, 0
-        weights = np.ones(len(trees)) if root_weights is None else np.asarray(root_weights, dtype=np.float64)
-        if weights.shape != (len(trees),) or not np.all(weights > 0):
-            raise ValueError(f"root_weights must be {len(trees)} positive values, one per tree; got {weights.shape}")
+        weights = np.ones(len(trees)) if root_weights is None else check_root_weights(root_weights, len(trees))
         for tree, weight in zip(trees, weights.tolist()):  # python floats: the state loads with weights_only
             if tree.tree_id in self.counted_tree_ids:
                 continue

@@ -31,6 +31,19 @@ def labelled_node_ids(tree: RolloutTree) -> list[int]:
     return [int(i) for i in np.flatnonzero(has_child & (num_leaves > 0))]
 
 
+def check_root_weights(root_weights: Sequence[float], num_trees: int) -> np.ndarray:
+    """``root_weights`` as (T,) float64, one finite positive multiplier per tree.
+
+    Raises:
+        ValueError: on another length, or a value that is not finite and > 0.
+    """
+    out = np.asarray(root_weights, dtype=np.float64)
+    if out.shape != (num_trees,) or not np.all(np.isfinite(out) & (out > 0)):
+        raise ValueError(f"root_weights must be {num_trees} finite positive values, one per tree; got shape "
+                         f"{out.shape}")
+    return out
+
+
 def node_examples(trees: Sequence[RolloutTree], root_weights: Sequence[float] | None = None
                   ) -> tuple[list[list[int]], np.ndarray, np.ndarray, np.ndarray]:
     """The labelled nodes of every tree with their labels and weights.
@@ -50,10 +63,7 @@ def node_examples(trees: Sequence[RolloutTree], root_weights: Sequence[float] | 
         ValueError: if ``root_weights`` is not one finite positive value per tree.
     """
     if root_weights is not None:
-        root_weights = np.asarray(root_weights, dtype=np.float64)
-        if root_weights.shape != (len(trees),) or not np.all(np.isfinite(root_weights) & (root_weights > 0)):
-            raise ValueError(f"root_weights must be {len(trees)} finite positive values, one per tree; got shape "
-                             f"{root_weights.shape}")
+        root_weights = check_root_weights(root_weights, len(trees))
     node_ids, labels, weights, is_root = [], [], [], []
     for t, tree in enumerate(trees):
         ids = labelled_node_ids(tree)

@@ -56,20 +56,21 @@ def exploration_root_weights(trees: Sequence[RolloutTree], arm: Any, prompts: Se
     explored = {tree.tree_id for tree in exploration_trees(trees, arm, prompts, acfg, cfg.seed)}
     if not explored:
         return None
-    is_explore = np.array([tree.tree_id in explored for tree in trees])
+    is_explore = [tree.tree_id in explored for tree in trees]
     chosen = Counter(tree.step for tree, e in zip(trees, is_explore) if not e)
     drawn = Counter(tree.step for tree, e in zip(trees, is_explore) if e)
     out = np.ones(len(trees))
     for i, tree in enumerate(trees):
-        if not is_explore[i]:
-            continue
-        if weight != "balanced":
-            out[i] = float(weight)
-            continue
-        passed_over = acfg.num_candidates - chosen[tree.step]
-        if passed_over < drawn[tree.step]:
-            raise ValueError(f"step {tree.step} has {chosen[tree.step]} stage-1 roots and {drawn[tree.step]} "
-                             f"exploration groups, more than allocation.num_candidates={acfg.num_candidates}: "
-                             "pass one arm's window and the run's allocation section")
-        out[i] = passed_over / drawn[tree.step]
+        if is_explore[i]:
+            out[i] = float(weight) if weight != "balanced" else _balanced(tree.step, chosen, drawn, acfg)
     return out
+
+
+def _balanced(step: int, chosen: Counter, drawn: Counter, acfg: Any) -> float:
+    """``w_t = (N - |S_t|) / E_t`` at ``step`` (module docstring)."""
+    passed_over = acfg.num_candidates - chosen[step]
+    if passed_over < drawn[step]:
+        raise ValueError(f"step {step} has {chosen[step]} stage-1 roots and {drawn[step]} exploration groups, more "
+                         f"than allocation.num_candidates={acfg.num_candidates}: pass one arm's window and the run's "
+                         "allocation section")
+    return passed_over / drawn[step]
