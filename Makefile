@@ -1,5 +1,5 @@
 # Two commands do all set-up on a fresh machine:
-#   make run    create .venv, then run the whole pipeline (dvc repro) on the embedded default task
+#   make run    create .venv, then run the whole pipeline (dvc repro, matrix items side by side) on the default task
 #   make test   create .venv, then run the test suite
 #   make run-grid  the same pipeline over every arm (the full grid) as a DVC experiment; with POOL=<work pool>,
 #                  one job per arm and seed on that pool's Prefect workers (flows.grid, docs/scale.md)
@@ -59,11 +59,12 @@ export PREFECT_API_URL=$$($(BIN)/python -m flows.server ensure --port $(PORT)) &
 	  $(BIN)/python -m flows.preload stop >/dev/null; $(BIN)/python -m flows.server stop >/dev/null; exit $$status
 endef
 
-# The main job: every DVC stage on params.yaml, against the servers above.
-# The params are checked first (a second or two), before the servers start.
+# The main job: every DVC stage on params.yaml, against the servers above, as `dvc repro` would run them but with
+# the matrix items (train@, evaluate@) JOBS at a time, each on OMP_NUM_THREADS / JOBS threads (flows.repro;
+# JOBS unset: one per thread, or 1 where a GPU is visible). The params are checked first, before the servers start.
 run: venv
 	@$(BIN)/python -m flows.check_params || exit 1; \
-	  $(call with_servers,$(BIN)/dvc repro)
+	  $(call with_servers,$(BIN)/python -m flows.repro $(if $(JOBS),--jobs $(JOBS)))
 
 # One DVC experiment of params.yaml with the -S overrides that the shell line before it sets as "$$@": the
 # overrides are checked first, then `dvc exp run` against the servers of with_servers.

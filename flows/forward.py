@@ -22,10 +22,21 @@ STAGE_MODULES = frozenset({"flows.check_params", "flows.prepare", "flows.warmup"
                            "flows.fit_predictor", "flows.train", "flows.evaluate", "flows.report"})
 # variables that differ between stages without changing what an import does
 _IGNORED_ENV = ("PWD", "OLDPWD", "SHLVL", "_", ENV_KEY)
+# the thread count the forked child sets itself (torch.set_num_threads) when it is a whole number >= 1 on both sides
+THREADS_ENV = "OMP_NUM_THREADS"
+
+
+def thread_count(environ) -> int | None:
+    """``OMP_NUM_THREADS`` of ``environ`` as a whole number >= 1; ``None`` when unset or anything else."""
+    value = environ.get(THREADS_ENV, "")
+    return int(value) if value.isdigit() and int(value) >= 1 else None
 
 
 def _fingerprint_env(environ) -> dict[str, str]:
-    return {k: v for k, v in environ.items() if k not in _IGNORED_ENV and not k.startswith("DVC_")}
+    env = {k: v for k, v in environ.items() if k not in _IGNORED_ENV and not k.startswith("DVC_")}
+    if thread_count(environ) is not None:
+        env[THREADS_ENV] = "a count"  # any count forks: the child sets it (flows.preload)
+    return env
 
 
 def stage_identity(environ, cwd: str | None = None) -> dict:

@@ -16,7 +16,10 @@ A stage runs as a plain process instead, the same code in a new interpreter, whe
 what it computes or where it writes: ``TRACE_PRELOAD`` unset or no server answering; a module that is not a
 stage of ``dvc.yaml``; another interpreter, checkout or working directory than the server's; or an environment
 that differs from the server's in any variable other than DVC's own (``DVC_*``) and the shell's bookkeeping,
-since libraries read some (threads, DeepSpeed's accelerator) when they are imported. Nothing is preloaded where
+since libraries read some (DeepSpeed's accelerator) when they are imported. The thread count is the exception:
+a stage whose ``OMP_NUM_THREADS`` is another whole number than the server's forks, and the child sets torch's
+threads to it (``torch.set_num_threads``, what torch takes from the variable as it starts), so ``flows.repro``
+can run stages on different thread counts against one server. Nothing is preloaded where
 a GPU is visible (CUDA does not survive a fork) or outside Linux. The child reseeds Python's and NumPy's global
 generators from the OS, as a new process would; every stream the pipeline's results depend on is seeded from the
 params.
@@ -36,7 +39,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from flows.forward import ENV_KEY, REPO_ROOT, mismatch, receive_message, request_identity, send_message, stage_identity
+from flows.forward import (ENV_KEY, REPO_ROOT, mismatch, receive_message, request_identity, send_message, stage_identity,
+                           thread_count)
 
 STATE_DIR = REPO_ROOT / ".prefect"  # preload.sock, preload.pid, preload.log
 SOCKET_PATH = STATE_DIR / "preload.sock"
@@ -201,6 +205,9 @@ def _child(conn: socket.socket, request: dict, fds: list[int], added: dict) -> N
         os.environ.update({k: v for k, v in request["environ"].items() if k != ENV_KEY})
         for key, value in added.items():
             os.environ.setdefault(key, value)
+        threads = thread_count(os.environ)
+        if threads is not None and "torch" in sys.modules and sys.modules["torch"].get_num_threads() != threads:
+            sys.modules["torch"].set_num_threads(threads)  # what torch reads from OMP_NUM_THREADS as it starts
         random.seed()
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()

@@ -31,6 +31,9 @@ if mode == "exit3":
     sys.exit(3)
 if mode == "raise":
     raise RuntimeError("probe failed")
+if mode == "threads":
+    import torch
+    print(json.dumps({"threads": torch.get_num_threads()}), flush=True)
 if mode == "spawn":
     import subprocess
     sleeper = subprocess.Popen(["sleep", "120"])
@@ -185,9 +188,12 @@ def test_the_commands_exit_status_is_the_stages(probe_server, mode, status, mess
 
 
 def test_a_command_whose_environment_differs_runs_plain_and_says_why(probe_server):
-    proc = probe_server.client("probe_stage", "ok", env={**probe_server.env, "OMP_NUM_THREADS": "7"})
+    proc = probe_server.client("probe_stage", "ok", env={**probe_server.env, "PROBE_MARKER": "m2"})
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 100 and out == "" and "environment differs in OMP_NUM_THREADS" in err, err
+    assert proc.returncode == 100 and out == "" and "environment differs in PROBE_MARKER" in err, err
+    # a thread count that is no whole number >= 1 is a difference like any other
+    proc = probe_server.client("probe_stage", "ok", env={**probe_server.env, "OMP_NUM_THREADS": "two"})
+    assert proc.communicate(timeout=60)[0] == "" and proc.returncode == 100
     # DVC's own variables and the shell's bookkeeping do not count
     proc = probe_server.client("probe_stage", "ok", env={**probe_server.env, "DVC_ROOT": "/x", "PWD": "/y"})
     assert proc.communicate(timeout=60)[0] and proc.returncode == 0
@@ -259,6 +265,24 @@ def test_a_real_stage_forwarded_writes_what_it_writes_as_a_plain_process(tmp_pat
 
 @pytest.mark.skipif(sys.platform != "linux" or Path("/dev/nvidiactl").exists(),
                     reason="ensure starts no server outside Linux or where a GPU is visible")
+def test_a_command_with_another_thread_count_forks_and_its_stage_runs_on_that_many_threads(tmp_path):
+    """flows.repro runs stages on 1 and on 2 threads against one server: each child takes its command's count."""
+    (tmp_path / "probe_stage.py").write_text(PROBE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(tmp_path)]), "OMP_NUM_THREADS": "2"}
+    env.pop("TRACE_PRELOAD", None)
+    server = Server(env, preload=("torch",))
+    try:
+        for threads in ("1", "2", "1"):
+            proc = server.client("probe_stage", "threads", env={**env, "OMP_NUM_THREADS": threads})
+            out, err = proc.communicate(timeout=60)
+            assert proc.returncode == 0, err
+            lines = [json.loads(line) for line in out.splitlines()]
+            assert lines[0]["ppid"] == server.identity["pong"], "ran plain, not forked"
+            assert lines[1] == {"threads": int(threads)}
+    finally:
+        server.close()
+
+
 def test_ensure_starts_one_server_reuses_it_and_replaces_one_of_another_environment(monkeypatch):
     from flows.preload import ensure, ping, stop
 
@@ -268,10 +292,12 @@ def test_ensure_starts_one_server_reuses_it_and_replaces_one_of_another_environm
     assert ensure(folder, preload=("json",)) == str(socket_path)
     first = ping(socket_path)["pong"]
     assert ensure(folder, preload=("json",)) == str(socket_path) and ping(socket_path)["pong"] == first
-    monkeypatch.setenv("OMP_NUM_THREADS", "7")  # what the stages would now run with: the server must match it
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")  # another thread count: the children set it, the server stays
+    assert ensure(folder, preload=("json",)) == str(socket_path) and ping(socket_path)["pong"] == first
+    monkeypatch.setenv("PROBE_OTHER", "7")  # what the stages would now run with: the server must match it
     assert ensure(folder, preload=("json",)) == str(socket_path)
     second = ping(socket_path)
-    assert second["pong"] != first and second["env"]["OMP_NUM_THREADS"] == "7"
+    assert second["pong"] != first and second["env"]["PROBE_OTHER"] == "7"
     _wait_for(lambda: not _alive(first), 30, "the replaced server to end")
     assert stop(folder) and ping(socket_path) is None and not (folder / "preload.pid").exists()
 

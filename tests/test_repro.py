@@ -1,0 +1,151 @@
+"""flows.repro: DVC stages side by side, each a `dvc repro --single-item` of its own, on a share of the threads.
+
+The scheduler is checked with a recording launcher; the whole command on a real DVC repository in a temporary
+folder whose matrix stages record when they ran and on how many threads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flows.repro import main, run_stages, stage_graph, thread_demand
+
+BIN = Path(sys.executable).parent
+
+
+class Recorder:
+    """A launcher that sleeps ``seconds`` per stage and records the stages running at once and their threads."""
+
+    def __init__(self, seconds: float = 0.05, fail: str = "", slow: str = ""):
+        self.seconds, self.fail, self.slow = seconds, fail, slow
+        self.started: dict[str, float] = {}
+        self.ended: dict[str, float] = {}
+        self.running: dict[str, int] = {}
+        self.most_threads = 0
+        self.order: list[str] = []
+        self.overlaps: list[set[str]] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, stage: str, threads: int) -> int:
+        with self.lock:
+            self.running[stage] = threads
+            self.order.append(stage)
+            self.started[stage] = time.monotonic()
+            self.most_threads = max(self.most_threads, sum(self.running.values()))
+            self.overlaps.append(set(self.running))
+        time.sleep(self.seconds * (6 if stage == self.slow else 1))
+        with self.lock:
+            del self.running[stage]
+            self.ended[stage] = time.monotonic()
+        return 1 if stage == self.fail else 0
+
+
+GRAPH = {"prepare": [], "warmup": ["prepare"],
+         **{f"train@{a}": ["warmup"] for a in "abcd"},
+         **{f"evaluate@{a}": [f"train@{a}"] for a in "abcd"},
+         "report": ["warmup", *(f"evaluate@{a}" for a in "abcd")]}
+
+
+def test_thread_demand_gives_a_stage_of_its_own_every_thread_and_a_matrix_item_its_share():
+    assert thread_demand("warmup", 4, 2) == 4 and thread_demand("train@a-0", 4, 2) == 2
+    assert thread_demand("train@a-0", 2, 4) == 1 and thread_demand("train@a-0", 2, 1) == 2
+
+
+def test_stages_start_after_what_they_read_and_never_use_more_threads_than_given():
+    rec = Recorder(slow="train@a")  # evaluate@b, after it in dvc.yaml, is ready first
+    status = run_stages(GRAPH, rec, threads=2, jobs=2, echo=lambda _: None)
+    assert status == {stage: 0 for stage in GRAPH}
+    for stage, upstream in GRAPH.items():
+        assert all(rec.ended[u] <= rec.started[stage] for u in upstream), stage
+    assert rec.started["evaluate@b"] < rec.ended["train@a"]
+    assert rec.most_threads == 2
+    assert any(len(s) == 2 for s in rec.overlaps), "no two matrix items ran at once"
+    # a stage of its own runs alone
+    for alone in ("prepare", "warmup", "report"):
+        assert all(s == {alone} for s in rec.overlaps if alone in s)
+
+
+def test_one_job_runs_the_stages_one_at_a_time_in_dvc_yaml_order():
+    rec = Recorder(seconds=0.01)
+    run_stages(GRAPH, rec, threads=2, jobs=1, echo=lambda _: None)
+    assert rec.order == list(GRAPH) and all(len(s) == 1 for s in rec.overlaps)
+
+
+def test_a_failure_stops_new_starts_and_lets_the_running_finish():
+    rec = Recorder(seconds=0.2, fail="train@a")
+    status = run_stages(GRAPH, rec, threads=2, jobs=2, echo=lambda _: None)
+    assert status["train@a"] == 1 and status["train@b"] == 0  # b ran beside a and finished
+    assert "report" not in status and "evaluate@a" not in status and len(status) == 4
+
+
+def test_bad_counts_and_a_cycle_are_refused():
+    with pytest.raises(ValueError, match="at least 1"):
+        run_stages(GRAPH, Recorder(), threads=0, jobs=1)
+    with pytest.raises(ValueError, match="never start"):
+        run_stages({"a": ["b"], "b": ["a"]}, Recorder(), threads=1, jobs=1, echo=lambda _: None)
+
+
+# ---- the command on a real DVC repository ----------------------------------------------------------------------
+STAMP = ("python -c \"import json, os, sys, time; s = time.time(); time.sleep({sleep}); "
+         "json.dump({{'start': s, 'end': time.time(), 'threads': os.environ.get('OMP_NUM_THREADS')}}, "
+         "open(sys.argv[1], 'w'))\" {out}")
+
+
+def _repository(root: Path, fail: bool = False) -> Path:
+    subprocess.run([BIN / "dvc", "init", "--no-scm", "-q"], cwd=root, check=True)
+    items = ["a", "b", "c", "d"]
+    stages = {
+        "prepare": {"cmd": STAMP.format(sleep=0, out="prepare.json"), "outs": ["prepare.json"]},
+        "work": {"matrix": {"name": items},
+                 "cmd": ("exit 3; " if fail else "") + STAMP.format(sleep=2, out="work-${item.name}.json"),
+                 "deps": ["prepare.json"], "outs": ["work-${item.name}.json"]},
+        "final": {"cmd": STAMP.format(sleep=0, out="final.json"), "deps": [f"work-{i}.json" for i in items],
+                  "outs": ["final.json"]},
+    }
+    (root / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
+    return root
+
+
+def _stamps(root: Path) -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in root.glob("*.json")}
+
+
+def test_the_command_runs_matrix_items_side_by_side_and_dvc_records_every_stage(tmp_path, monkeypatch, capsys):
+    root = _repository(tmp_path)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.setenv("PATH", f"{BIN}{os.pathsep}{os.environ['PATH']}")
+    assert list(stage_graph(root)) == ["prepare", "work@a", "work@b", "work@c", "work@d", "final"]
+    assert main(["--jobs", "2"], root=root) == 0
+    stamps = _stamps(root)
+    assert {k: v["threads"] for k, v in stamps.items()} == {
+        "prepare": "2", "final": "2", **{f"work-{i}": "1" for i in "abcd"}}
+    work = sorted((v["start"], v["end"]) for k, v in stamps.items() if k.startswith("work"))
+    assert sum(1 for (_, end), (start, _) in zip(work, work[1:]) if start < end) >= 2, "the items did not overlap"
+    assert (root / ".dvc" / "tmp" / "repro" / "work@a.log").exists()
+    # DVC recorded each stage: nothing left to run, and a second run changes nothing
+    status = subprocess.run([BIN / "dvc", "status"], cwd=root, capture_output=True, text=True, check=True)
+    assert "up to date" in status.stdout, status.stdout
+    assert set(yaml.safe_load((root / "dvc.lock").read_text())["stages"]) == {
+        "prepare", "final", *(f"work@{i}" for i in "abcd")}
+    assert main(["--jobs", "2"], root=root) == 0 and _stamps(root) == stamps
+    # a target takes its pipeline only
+    assert list(stage_graph(root, ["work@b"])) == ["prepare", "work@b"]
+
+
+def test_the_command_stops_at_a_failed_stage_and_names_its_log(tmp_path, monkeypatch, capsys):
+    root = _repository(tmp_path, fail=True)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.setenv("PATH", f"{BIN}{os.pathsep}{os.environ['PATH']}")
+    assert main(["--jobs", "2"], root=root) == 1
+    err = capsys.readouterr().err
+    assert "stage work@a failed: see .dvc/tmp/repro/work@a.log" in err, err
+    assert not (root / "final.json").exists() and not list(root.glob("work-*.json"))
