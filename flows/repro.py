@@ -14,8 +14,9 @@ all. Each stage gets its count as its ``OMP_NUM_THREADS``. A stage starts once e
 finished, in the order ``dvc.yaml`` lists them. The first failure stops new starts; the stages already running
 finish, and the command exits with status 1 after naming the failed stage and its log.
 
-Output: with one job each stage writes to this terminal as under ``dvc repro``; with more, each stage writes to its
-own log, ``.dvc/tmp/repro/<stage>.log``, and this command prints a line as each starts and ends.
+Output: a stage of its own writes to this terminal as under ``dvc repro`` (the warmup's progress, the report's
+summary); with more than one job, each matrix item writes to its own log, ``.dvc/tmp/repro/<stage>.log``, and this
+command prints a line as each starts and ends.
 
 Where a GPU is visible the default is one job: stages on one device would contend for its memory.
 
@@ -144,8 +145,8 @@ def run_stages(graph: Mapping[str, Sequence[str]], launch: Callable[[str, int], 
 class DvcLauncher:
     """``launch`` for ``run_stages``: ``dvc --wait-for-lock repro --single-item <stage>`` with ``OMP_NUM_THREADS``.
 
-    With ``parallel``, each stage's output goes to ``.dvc/tmp/repro/<stage>.log`` (replaced each run); else to
-    this process's own streams. Each stage runs in its own session; ``interrupt`` sends ``SIGINT`` to every running
+    With ``parallel``, each matrix item's output goes to ``.dvc/tmp/repro/<stage>.log`` (replaced each run); a stage
+    of its own, which runs alone, writes to this process's own streams, as every stage does without ``parallel``. Each stage runs in its own session; ``interrupt`` sends ``SIGINT`` to every running
     one's process group, so each ``dvc repro`` stops as on Ctrl-C.
     """
 
@@ -160,7 +161,7 @@ class DvcLauncher:
         env = {**os.environ, "OMP_NUM_THREADS": str(num_threads)}
         args = [self.command, "--wait-for-lock", "repro", "--single-item", stage]
         out = None
-        if self.parallel:
+        if self.parallel and "@" in stage:  # a stage of its own runs alone: its output to this terminal
             log = self.root / LOG_DIR / f"{stage.replace('/', '_')}.log"
             log.parent.mkdir(parents=True, exist_ok=True)
             out = open(log, "wb")
@@ -218,7 +219,7 @@ def main(argv: Sequence[str] | None = None, root: Path = REPO_ROOT) -> int:
         signal.signal(signal.SIGTERM, previous)
     failed = [stage for stage, code in status.items() if code != 0]
     if failed:
-        where = f": see {LOG_DIR}/{failed[0]}.log" if parallel else ""
+        where = f": see {LOG_DIR}/{failed[0]}.log" if parallel and "@" in failed[0] else ""
         print(f"stage {failed[0]} failed{where}; stages not started: "
               f"{len([s for s in graph if s not in status])}", file=sys.stderr)
         return 1

@@ -119,7 +119,7 @@ def _stamps(root: Path) -> dict[str, dict]:
     return {p.stem: json.loads(p.read_text()) for p in root.glob("*.json")}
 
 
-def test_the_command_runs_matrix_items_side_by_side_and_dvc_records_every_stage(tmp_path, monkeypatch, capsys):
+def test_the_command_runs_matrix_items_side_by_side_and_dvc_records_every_stage(tmp_path, monkeypatch, capfd):
     root = _repository(tmp_path)
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     monkeypatch.setenv("PATH", f"{BIN}{os.pathsep}{os.environ['PATH']}")
@@ -130,7 +130,9 @@ def test_the_command_runs_matrix_items_side_by_side_and_dvc_records_every_stage(
         "prepare": "2", "final": "2", **{f"work-{i}": "1" for i in "abcd"}}
     work = sorted((v["start"], v["end"]) for k, v in stamps.items() if k.startswith("work"))
     assert sum(1 for (_, end), (start, _) in zip(work, work[1:]) if start < end) >= 2, "the items did not overlap"
-    assert (root / ".dvc" / "tmp" / "repro" / "work@a.log").exists()
+    logs = root / ".dvc" / "tmp" / "repro"
+    assert (logs / "work@a.log").exists() and not (logs / "prepare.log").exists()  # a stage of its own: terminal
+    assert "Running stage 'prepare'" in capfd.readouterr().out
     # DVC recorded each stage: nothing left to run, and a second run changes nothing
     status = subprocess.run([BIN / "dvc", "status"], cwd=root, capture_output=True, text=True, check=True)
     assert "up to date" in status.stdout, status.stdout
