@@ -5,7 +5,9 @@ DVC runs a pipeline's stages one after another. The items of a ``matrix`` stage 
 uses they can run at the same time: each is one ``dvc --wait-for-lock repro --single-item <stage>`` process, as
 DVC's documentation of ``repro`` describes for parallel stage execution (DVC releases its repository lock while a
 stage's command runs and takes it again to record the stage in ``dvc.lock``). Each process still decides for its
-stage alone: skipped when unchanged, restored from the run-cache, or run; nothing is recorded but by DVC.
+stage alone: skipped when unchanged, restored from the run-cache, or run; nothing is recorded but by DVC. A stage
+that DVC reports unchanged (``Stage.changed``, asked at the start and again once a stage it reads from has run)
+starts no process, so a run with nothing changed takes about as long as ``dvc repro``'s.
 
 Threads: the run has ``threads`` (``OMP_NUM_THREADS``, ``make``'s default 2) to share. A stage that is not a
 matrix item (``prepare``, ``warmup``, ``report``, ...) takes all of them and runs alone; a matrix item takes
@@ -78,8 +80,19 @@ def thread_demand(stage: str, threads: int, jobs: int) -> int:
     return max(1, threads // jobs) if "@" in stage else threads
 
 
+def changed_stages(root: Path, stages: Sequence[str]) -> set[str]:
+    """Which of ``stages`` ``dvc repro`` would not skip now (``Stage.changed``: a dependency, output, param or
+    command differs from ``dvc.lock``, or an output is missing), read under DVC's repository lock."""
+    from dvc.repo import Repo
+
+    with contextlib.chdir(root), Repo(str(root), _wait_for_lock=True) as repo, repo.lock:
+        wanted = set(stages)
+        return {stage.addressing for stage in repo.index.stages if stage.addressing in wanted and stage.changed()}
+
+
 def run_stages(graph: Mapping[str, Sequence[str]], launch: Callable[[str, int], int], threads: int, jobs: int,
-               echo: Callable[[str], None] = print) -> dict[str, int]:
+               echo: Callable[[str], None] = print,
+               changed: Callable[[Sequence[str]], set[str]] | None = None) -> dict[str, int]:
     """Run every stage of ``graph`` through ``launch`` once all its upstream stages succeeded.
 
     Args:
@@ -88,9 +101,14 @@ def run_stages(graph: Mapping[str, Sequence[str]], launch: Callable[[str, int], 
         threads: threads to share (>= 1).
         jobs: matrix items at most at once (>= 1).
         echo: where the start and end lines go.
+        changed: ``changed(stages) -> those that need a run`` (``changed_stages``), asked for every stage at the
+            start and again for a stage when it is ready and one of its upstream stages was launched; a stage it
+            leaves out counts as done without a launch, as ``dvc repro`` skips it (so a run with nothing changed
+            starts no process). An error in it launches the stages asked about. ``None``: launch every stage.
 
     Returns:
-        ``{stage: exit status}`` of each stage that ran; after a failure the stages not yet started are absent.
+        ``{stage: exit status}`` of each stage that ran or was up to date (0); after a failure the stages not yet
+        started are absent.
 
     Raises:
         ValueError: ``threads`` or ``jobs`` below 1, or a cycle (a stage that can never start).
@@ -117,16 +135,40 @@ def run_stages(graph: Mapping[str, Sequence[str]], launch: Callable[[str, int], 
                  f"{'' if code == 0 else f', exit status {code}'})")
             done.notify_all()
 
+    def ask(stages: list[str]) -> set[str]:
+        try:
+            return set(changed(stages)) if stages else set()
+        except Exception as err:  # noqa: BLE001 - unsure: let each stage's dvc repro decide
+            echo(f"could not ask DVC what changed ({err}); running {len(stages)} stage(s) to let it decide")
+            return set(stages)
+
+    # asked once for all: a stage none of whose upstream stages is launched keeps this answer
+    initial = ask(list(graph)) if changed is not None else set()
+    checked: set[str] = set()
+    launched: set[str] = set()
     with done:
         while pending and not failed:
             free = threads - sum(running.values())
             ready = [s for s in pending if all(status.get(u, 0 if u not in graph else None) == 0 for u in graph[s])]
+            fresh = [s for s in ready if s not in checked] if changed is not None else []
+            if fresh:
+                checked.update(fresh)
+                again = [s for s in fresh if any(u in launched for u in graph[s])]
+                to_run = {s for s in fresh if s in initial and s not in again} | ask(again)
+                skipped = [s for s in fresh if s not in to_run]
+                for stage in skipped:
+                    pending.remove(stage)
+                    status[stage] = 0
+                if skipped:
+                    echo(f"up to date: {', '.join(skipped)}")
+                    continue
             started = False
             for stage in ready:
                 need = thread_demand(stage, threads, jobs)
                 if need > free:  # a stage of its own (need == threads) waits until nothing runs
                     break  # in order: a stage that must wait holds back those after it
                 pending.remove(stage)
+                launched.add(stage)
                 running[stage] = need
                 free -= need
                 echo(f"start {stage} ({need} thread{'s' if need > 1 else ''})")
@@ -210,7 +252,7 @@ def main(argv: Sequence[str] | None = None, root: Path = REPO_ROOT) -> int:
     launcher = DvcLauncher(root, parallel)
     previous = signal.signal(signal.SIGTERM, _interrupted)
     try:
-        status = run_stages(graph, launcher, threads, jobs, echo)
+        status = run_stages(graph, launcher, threads, jobs, echo, lambda stages: changed_stages(root, stages))
     except KeyboardInterrupt:
         launcher.interrupt()
         print("interrupted: the running stages were stopped; run again to resume", file=sys.stderr)

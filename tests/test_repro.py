@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -87,6 +88,53 @@ def test_a_failure_stops_new_starts_and_lets_the_running_finish():
     assert "report" not in status and "evaluate@a" not in status and len(status) == 4
 
 
+class Changed:
+    """``changed`` for ``run_stages``: the stages changed at the start, and those a launch of ``trigger`` changes."""
+
+    def __init__(self, initial: set[str], after: dict[str, set[str]] | None = None):
+        self.initial, self.after, self.asked = initial, after or {}, []
+        self.launched: list[str] = []
+
+    def __call__(self, stages):
+        self.asked.append(list(stages))
+        now = set(self.initial) if len(self.asked) == 1 else set()
+        for stage in self.launched:
+            now |= self.after.get(stage, set())
+        return {s for s in stages if s in now}
+
+
+def test_a_stage_dvc_would_skip_is_never_launched():
+    rec = Recorder(seconds=0.01)
+    assert run_stages(GRAPH, rec, 2, 2, lambda _: None, Changed(set())) == {stage: 0 for stage in GRAPH}
+    assert rec.order == []  # nothing changed: no process at all
+    rec, changed = Recorder(seconds=0.01), Changed({"report"})
+    run_stages(GRAPH, rec, 2, 2, lambda _: None, changed)
+    assert rec.order == ["report"] and len(changed.asked) == 1
+
+
+def test_the_stages_after_a_launched_one_are_asked_again_once_it_has_finished():
+    changed = Changed({"warmup"}, after={"warmup": {"train@a", "train@b"}, "train@a": {"evaluate@a"}})
+
+    def launch(stage, threads):
+        changed.launched.append(stage)
+        return 0
+
+    run_stages(GRAPH, launch, 2, 2, lambda _: None, changed)
+    assert changed.launched[0] == "warmup" and set(changed.launched) == {"warmup", "train@a", "train@b",
+                                                                         "evaluate@a"}
+    assert changed.asked[1] == ["train@a", "train@b", "train@c", "train@d"]  # warmup ran: its readers again
+    assert all("prepare" not in asked for asked in changed.asked[1:])  # skipped before anything ran: not again
+
+
+def test_when_dvc_cannot_say_what_changed_every_stage_is_launched():
+    def broken(stages):
+        raise RuntimeError("dvc.lock unreadable")
+
+    lines, rec = [], Recorder(seconds=0.01)
+    run_stages(GRAPH, rec, 2, 2, lines.append, broken)
+    assert sorted(rec.order) == sorted(GRAPH) and "could not ask DVC what changed" in lines[0]
+
+
 def test_bad_counts_and_a_cycle_are_refused():
     with pytest.raises(ValueError, match="at least 1"):
         run_stages(GRAPH, Recorder(), threads=0, jobs=1)
@@ -138,7 +186,15 @@ def test_the_command_runs_matrix_items_side_by_side_and_dvc_records_every_stage(
     assert "up to date" in status.stdout, status.stdout
     assert set(yaml.safe_load((root / "dvc.lock").read_text())["stages"]) == {
         "prepare", "final", *(f"work@{i}" for i in "abcd")}
+    shutil.rmtree(logs)
     assert main(["--jobs", "2"], root=root) == 0 and _stamps(root) == stamps
+    assert not logs.exists()  # nothing changed: no stage launched
+    # a changed command: that stage alone runs again
+    (root / "dvc.yaml").write_text((root / "dvc.yaml").read_text().replace("final.json", "final2.json"))
+    assert main(["--jobs", "2"], root=root) == 0
+    again = _stamps(root)
+    assert {k: again[k] for k in stamps if k != "final"} == {k: v for k, v in stamps.items() if k != "final"}
+    assert "final2" in again and not logs.exists()
     # a target takes its pipeline only
     assert list(stage_graph(root, ["work@b"])) == ["prepare", "work@b"]
 
