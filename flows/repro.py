@@ -14,7 +14,7 @@ matrix item (``prepare``, ``warmup``, ``report``, ...) takes all of them and run
 ``max(1, threads // jobs)``, so up to ``jobs`` of them run at once, and never more threads than ``threads`` in
 all. Each stage gets its count as its ``OMP_NUM_THREADS``. A stage starts once every stage it depends on has
 finished, in the order ``dvc.yaml`` lists them. The first failure stops new starts; the stages already running
-finish, and the command exits with status 1 after naming the failed stage and its log.
+finish, and the command exits with status 1 after naming every failed stage and its log.
 
 Output: a stage of its own writes to this terminal as under ``dvc repro`` (the warmup's progress, the report's
 summary); with more than one job, each matrix item writes to its own log, ``.dvc/tmp/repro/<stage>.log``, and this
@@ -259,11 +259,11 @@ def main(argv: Sequence[str] | None = None, root: Path = REPO_ROOT) -> int:
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
-    failed = [stage for stage, code in status.items() if code != 0]
+    failed = [stage for stage in graph if status.get(stage, 0) != 0]
     if failed:
-        where = f": see {LOG_DIR}/{failed[0]}.log" if parallel and "@" in failed[0] else ""
-        print(f"stage {failed[0]} failed{where}; stages not started: "
-              f"{len([s for s in graph if s not in status])}", file=sys.stderr)
+        named = [f"{s} (see {LOG_DIR}/{s}.log)" if parallel and "@" in s else s for s in failed]
+        print(f"failed: {', '.join(named)}; stages not started: {len([s for s in graph if s not in status])}; "
+              "fix the cause and run again (finished stages are cached)", file=sys.stderr)
         return 1
     return 0
 

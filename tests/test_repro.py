@@ -43,7 +43,7 @@ class Recorder:
             self.started[stage] = time.monotonic()
             self.most_threads = max(self.most_threads, sum(self.running.values()))
             self.overlaps.append(set(self.running))
-        time.sleep(self.seconds * (6 if stage == self.slow else 1))
+        time.sleep(0.0 if stage == self.fail else self.seconds * (20 if stage == self.slow else 1))
         with self.lock:
             del self.running[stage]
             self.ended[stage] = time.monotonic()
@@ -82,7 +82,7 @@ def test_one_job_runs_the_stages_one_at_a_time_in_dvc_yaml_order():
 
 
 def test_a_failure_stops_new_starts_and_lets_the_running_finish():
-    rec = Recorder(seconds=0.2, fail="train@a")
+    rec = Recorder(seconds=1.0, fail="train@a")  # a fails at once, b beside it runs for a second more
     status = run_stages(GRAPH, rec, threads=2, jobs=2, echo=lambda _: None)
     assert status["train@a"] == 1 and status["train@b"] == 0  # b ran beside a and finished
     assert "report" not in status and "evaluate@a" not in status and len(status) == 4
@@ -205,5 +205,7 @@ def test_the_command_stops_at_a_failed_stage_and_names_its_log(tmp_path, monkeyp
     monkeypatch.setenv("PATH", f"{BIN}{os.pathsep}{os.environ['PATH']}")
     assert main(["--jobs", "2"], root=root) == 1
     err = capsys.readouterr().err
-    assert "stage work@a failed: see .dvc/tmp/repro/work@a.log" in err, err
+    # the two items that ran side by side both failed; the others never started
+    assert "failed: work@a (see .dvc/tmp/repro/work@a.log), work@b (see .dvc/tmp/repro/work@b.log); " \
+           "stages not started: 3" in err, err
     assert not (root / "final.json").exists() and not list(root.glob("work-*.json"))
