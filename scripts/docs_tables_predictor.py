@@ -30,15 +30,19 @@ EXPLORATION_REPORTS = {"exploration-base": "none (`trace` as by default)",
                        "exploration-recalibrated": "2 a step, the root map fitted on them "
                                                    "(`predictor.recalibrate_roots: explore`)",
                        "exploration-weighted": "2 a step, weighted for the candidates stage 1 passed over "
-                                               "(`predictor.explore_weight: balanced`)"}
+                                               "(`predictor.explore_weight: balanced`)",
+                       "exploration-weight4": "2 a step, each root weighing 4 (`predictor.explore_weight: 4`)"}
 # index key -> a second reference it is also paired with (what it adds to that run alone)
-EXPLORATION_PAIRS = {"exploration-recalibrated": "exploration", "exploration-weighted": "exploration"}
+EXPLORATION_PAIRS = {"exploration-recalibrated": "exploration", "exploration-weighted": "exploration",
+                     "exploration-weight4": "exploration-weighted"}
 # index key -> the arms of that report the stages table reads, with what their stage 1 and stage 2 do
 STAGE_ARMS = {"exploration-base": {"tree_random": ("uniform", "random anchors"),
                                    "trace": ("by forecast", "by forecast")},
               "stages": {"trace_prefix": ("uniform", "by forecast"), "trace_root": ("by forecast", "none")},
               "exploration-weighted": {"trace": ("by forecast, 2 uniform groups weighted for the rest "
-                                                 "(`predictor.explore_weight: balanced`)", "by forecast")}}
+                                                 "(`predictor.explore_weight: balanced`)", "by forecast")},
+              "exploration-weight4": {"trace": ("by forecast, 2 uniform groups weighing 4 "
+                                                "(`predictor.explore_weight: 4`)", "by forecast")}}
 STAGE_REFERENCE = ("exploration-base", "tree_random")  # (index key, arm) every other row is paired with
 STAGE_RESAMPLES = 1000
 AVGK = "eval/accuracy/mean_at_8"
