@@ -209,3 +209,32 @@ def test_the_command_stops_at_a_failed_stage_and_names_its_log(tmp_path, monkeyp
     assert "failed: work@a (see .dvc/tmp/repro/work@a.log), work@b (see .dvc/tmp/repro/work@b.log); " \
            "stages not started: 3" in err, err
     assert not (root / "final.json").exists() and not list(root.glob("work-*.json"))
+
+
+def _cmdline(proc: Path) -> str:
+    try:
+        return (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def test_sigterm_stops_the_running_stages_and_exits_130(tmp_path):
+    root = _repository(tmp_path)
+    (root / "dvc.yaml").write_text((root / "dvc.yaml").read_text().replace("time.sleep(2)", "time.sleep(120)"))
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    code = f"import sys; from pathlib import Path; from flows.repro import main; sys.exit(main(['--jobs', '2'], " \
+           f"root=Path({str(root)!r})))"
+    runner = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+    deadline = time.monotonic() + 120
+    while len(list((root / ".dvc" / "tmp" / "repro").glob("work@*.log"))) < 2:  # both items started
+        assert time.monotonic() < deadline and runner.poll() is None, runner.communicate()
+        time.sleep(0.2)
+    time.sleep(3)  # their commands running
+    runner.terminate()
+    out, err = runner.communicate(timeout=60)
+    assert runner.returncode == 130 and "interrupted" in err, err
+    left = [p.name for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline(p).count("time.sleep(120)")]
+    assert not left, f"stage processes left running: {left}"
+    assert not list(root.glob("work-*.json"))
