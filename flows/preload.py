@@ -39,8 +39,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from flows.forward import (ENV_KEY, REPO_ROOT, mismatch, receive_message, request_identity, send_message, stage_identity,
-                           thread_count)
+from flows.forward import (ENV_KEY, REPO_ROOT, mismatch, receive_message, request_identity, send_message,
+                           stage_identity, thread_count)
 
 STATE_DIR = REPO_ROOT / ".prefect"  # preload.sock, preload.pid, preload.log
 SOCKET_PATH = STATE_DIR / "preload.sock"

@@ -184,12 +184,19 @@ def run_stages(graph: Mapping[str, Sequence[str]], launch: Callable[[str, int], 
     return status
 
 
+def log_path(stage: str) -> Path:
+    """Where a matrix item run side by side writes its output, relative to the repository:
+    ``.dvc/tmp/repro/<stage>.log`` (a ``/`` of a stage in another folder's ``dvc.yaml`` becomes ``_``)."""
+    return LOG_DIR / f"{stage.replace('/', '_')}.log"
+
+
 class DvcLauncher:
     """``launch`` for ``run_stages``: ``dvc --wait-for-lock repro --single-item <stage>`` with ``OMP_NUM_THREADS``.
 
-    With ``parallel``, each matrix item's output goes to ``.dvc/tmp/repro/<stage>.log`` (replaced each run); a stage
-    of its own, which runs alone, writes to this process's own streams, as every stage does without ``parallel``. Each stage runs in its own session; ``interrupt`` sends ``SIGINT`` to every running
-    one's process group, so each ``dvc repro`` stops as on Ctrl-C.
+    With ``parallel``, each matrix item's output goes to ``log_path(stage)`` (replaced each run); a stage of its
+    own, which runs alone, writes to this process's own streams, as every stage does without ``parallel``. Each
+    stage runs in its own session; ``interrupt`` sends ``SIGINT`` to every running one's process group, so each
+    ``dvc repro`` stops as on Ctrl-C.
     """
 
     def __init__(self, root: Path, parallel: bool):
@@ -204,7 +211,7 @@ class DvcLauncher:
         args = [self.command, "--wait-for-lock", "repro", "--single-item", stage]
         out = None
         if self.parallel and "@" in stage:  # a stage of its own runs alone: its output to this terminal
-            log = self.root / LOG_DIR / f"{stage.replace('/', '_')}.log"
+            log = self.root / log_path(stage)
             log.parent.mkdir(parents=True, exist_ok=True)
             out = open(log, "wb")
         try:
@@ -261,7 +268,7 @@ def main(argv: Sequence[str] | None = None, root: Path = REPO_ROOT) -> int:
         signal.signal(signal.SIGTERM, previous)
     failed = [stage for stage in graph if status.get(stage, 0) != 0]
     if failed:
-        named = [f"{s} (see {LOG_DIR}/{s}.log)" if parallel and "@" in s else s for s in failed]
+        named = [f"{s} (see {log_path(s)})" if parallel and "@" in s else s for s in failed]
         print(f"failed: {', '.join(named)}; stages not started: {len([s for s in graph if s not in status])}; "
               "fix the cause and run again (finished stages are cached)", file=sys.stderr)
         return 1
