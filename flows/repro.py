@@ -225,17 +225,27 @@ class DvcLauncher:
             if out is not None:
                 out.close()
 
-    def interrupt(self) -> None:
-        """``SIGINT`` to every running stage's process group, then wait for each."""
+    def interrupt(self, signum: int = signal.SIGINT, grace_s: float = 30.0) -> None:
+        """``signum`` to every running stage's process group; ``SIGKILL`` to a group still running ``grace_s``
+        later (a stage started with ``SIGINT`` ignored, as a shell's background job is, ignores Ctrl-C)."""
         with self._lock:
             procs = [p for p in self.procs.values() if p.poll() is None]
         for proc in procs:
-            try:
-                os.killpg(proc.pid, signal.SIGINT)
-            except ProcessLookupError:
-                pass
+            _signal_group(proc, signum)
+        deadline = time.monotonic() + grace_s
         for proc in procs:
-            proc.wait()
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait()
+
+
+def _signal_group(proc: subprocess.Popen, signum: int) -> None:
+    try:
+        os.killpg(proc.pid, signum)
+    except ProcessLookupError:
+        pass
 
 
 def main(argv: Sequence[str] | None = None, root: Path = REPO_ROOT) -> int:
@@ -260,8 +270,8 @@ def main(argv: Sequence[str] | None = None, root: Path = REPO_ROOT) -> int:
     previous = signal.signal(signal.SIGTERM, _interrupted)
     try:
         status = run_stages(graph, launcher, threads, jobs, echo, lambda stages: changed_stages(root, stages))
-    except KeyboardInterrupt:
-        launcher.interrupt()
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (_Terminated): passed on to the running stages
+        launcher.interrupt(getattr(stop, "signum", signal.SIGINT))
         print("interrupted: the running stages were stopped; run again to resume", file=sys.stderr)
         return 130
     finally:
@@ -275,8 +285,14 @@ def main(argv: Sequence[str] | None = None, root: Path = REPO_ROOT) -> int:
     return 0
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C raises ``KeyboardInterrupt``; the running stages get SIGTERM too."""
+
+    signum = signal.SIGTERM
+
+
 def _interrupted(signum, frame) -> None:
-    raise KeyboardInterrupt
+    raise _Terminated
 
 
 def _gpu_visible() -> bool:
