@@ -332,7 +332,7 @@ class Config(_Section):
         off (it never changes what an arm trains), ``predictor.recalibrate`` off (``recalibrate_map`` while ``platt``,
         ``recalibrate_roots`` while ``window``),
         ``allocation.oracle_samples`` at its default (only ``trace_oracle`` reads it), ``allocation.explore_groups: 0``,
-        ``predictor.explore_weight: 1``,
+        ``predictor.explore_weight: 1``, ``predictor.labels: subtree``,
         the token budget's keys and ``train.prompt_pool`` unset, ``warmup.seed`` unset, ``evaluate.split: eval`` and
         ``task.kgqa.num_test: 0`` (as before they existed).
         """
@@ -351,8 +351,9 @@ class Config(_Section):
             data["allocation"].pop("oracle_samples")
         if not self.allocation.explore_groups:  # as before it existed
             data["allocation"].pop("explore_groups")
-        if data["predictor"]["explore_weight"] == 1.0:  # as before it existed
-            data["predictor"].pop("explore_weight")
+        for key, default in (("explore_weight", 1.0), ("labels", "subtree")):  # at the default: as before them
+            if data["predictor"][key] == default:
+                data["predictor"].pop(key)
         for key in ("token_budget", "eval_every_tokens", "prompt_pool"):  # unset: the hash of a run from before them
             if data["train"].get(key) is None:
                 data["train"].pop(key, None)

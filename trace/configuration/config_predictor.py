@@ -77,6 +77,10 @@ class PredictorConfig(Section):
         1.0, description="weight of an exploration group's root in the predictor's fit, against 1 for a root stage "
         "1 chose: a number > 0, or balanced = (candidates stage 1 passed over) / (exploration groups) per step, "
         "trace.training.exploration_weights; needs allocation.explore_groups > 0 where not 1")
+    labels: Literal["subtree", "branch_point"] = Field(
+        "subtree", description="what a node's label counts: subtree = every leaf below it; branch_point = the "
+        "trajectories sampled at or above it, so a continuation counts for its anchor and the nodes below, not for "
+        "the anchor's ancestors (trace.predictor.labels)")
 
     @model_validator(mode="after")
     def _check_explore_weight(self) -> "PredictorConfig":

@@ -211,7 +211,7 @@ class PredictorBase:
             roots alone; ``predictor/num_nodes`` (labelled nodes) and ``predictor/num_outcomes`` (their summed
             leaf counts). Metrics are ``nan`` when there is nothing to score (AUC also when all outcomes agree).
         """
-        node_ids, labels, weights, is_root = node_examples(trees)
+        node_ids, labels, weights, is_root = node_examples(trees, scheme=self.cfg.labels)
         metrics = {"predictor/num_nodes": float(labels.size), "predictor/num_outcomes": float(weights.sum())}
         names = ("brier", "ece", "auc", "log_loss", "root_brier", "root_auc")
         if labels.size == 0:

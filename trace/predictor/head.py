@@ -157,7 +157,7 @@ class HeadPredictorBase(PredictorBase):
             ``predictor/fit_examples``, ``predictor/fit_outcomes``, ``predictor/feature_seconds``,
             ``predictor/fit_seconds``.
         """
-        node_ids, labels, weights, _ = node_examples(trees, root_weights)
+        node_ids, labels, weights, _ = node_examples(trees, root_weights, self.cfg.labels)
         out = {"predictor/fit_examples": float(labels.size), "predictor/fit_outcomes": float(weights.sum())}
         if labels.size == 0:
             return {**out, "predictor/fit_loss": float("nan"), "predictor/feature_seconds": 0.0,
