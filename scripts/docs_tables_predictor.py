@@ -31,7 +31,8 @@ EXPLORATION_REPORTS = {"exploration-base": "none (`trace` as by default)",
                                                    "(`predictor.recalibrate_roots: explore`)",
                        "exploration-weighted": "2 a step, weighted for the candidates stage 1 passed over "
                                                "(`predictor.explore_weight: balanced`)",
-                       "exploration-weight4": "2 a step, each root weighing 4 (`predictor.explore_weight: 4`)"}
+                       "exploration-weight4": "2 a step, each root weighing 4 (`predictor.explore_weight: 4`)",
+                       "labels-branch": "none, labelled at the branch point (`predictor.labels: branch_point`)"}
 # index key -> a second reference it is also paired with (what it adds to that run alone)
 EXPLORATION_PAIRS = {"exploration-recalibrated": "exploration", "exploration-weighted": "exploration",
                      "exploration-weight4": "exploration-weighted"}
@@ -42,7 +43,9 @@ STAGE_ARMS = {"exploration-base": {"tree_random": ("uniform", "random anchors"),
               "exploration-weighted": {"trace": ("by forecast, 2 uniform groups weighted for the rest "
                                                  "(`predictor.explore_weight: balanced`)", "by forecast")},
               "exploration-weight4": {"trace": ("by forecast, 2 uniform groups weighing 4 "
-                                                "(`predictor.explore_weight: 4`)", "by forecast")}}
+                                                "(`predictor.explore_weight: 4`)", "by forecast")},
+              "labels-branch": {"trace": ("by forecast, labelled at the branch point "
+                                          "(`predictor.labels: branch_point`)", "by forecast")}}
 STAGE_REFERENCE = ("exploration-base", "tree_random")  # (index key, arm) every other row is paired with
 STAGE_RESAMPLES = 1000
 AVGK = "eval/accuracy/mean_at_8"

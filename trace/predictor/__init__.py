@@ -6,7 +6,8 @@ docs/method.md#success-predictor). Stage 1 reads ``V_hat(x_i)`` to allocate root
 ``V_hat(H_ijt)`` to allocate continuations.
 
 Labels. Every labelled node of a collected tree carries the mean reward of its descendant leaves, weighted
-by their count (``RolloutTree.node_success_labels``). Nodes used for fitting and scoring
+by their count (``RolloutTree.node_success_labels``), or with ``predictor.labels: branch_point`` of the
+trajectories sampled at or above it (``labels.branch_point_labels``). Nodes used for fitting and scoring
 (``labelled_node_ids``): the root and every non-leaf turn with at least one descendant leaf. Leaves are
 left out: a leaf's label is its own verified reward and no allocator ever scores a finished trajectory.
 
