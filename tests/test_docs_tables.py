@@ -453,7 +453,7 @@ def test_the_stages_table_pairs_each_arm_with_tree_random_by_seed_across_reports
     text = stages_table(ctx)
     lines = [line.split(" | ") for line in text.splitlines() if line.startswith("| `")]
     assert [cells[0][2:] for cells in lines] == ["`tree_random`", "`trace`", "`trace_prefix`", "`trace_root`",
-                                                 "`trace`", "`trace`"]
+                                                 "`trace`", "`trace`", "`trace`"]
     rows = {cells[0][2:]: cells for cells in lines[:4]}
     want = calibration_noise([pool_diagrams(audits["stages", "trace_root"][s]) for s in range(4)])["debiased"]
     assert rows["`trace_root`"][3].startswith(f"{want:.3f} [")
@@ -465,8 +465,8 @@ def test_the_stages_table_pairs_each_arm_with_tree_random_by_seed_across_reports
     diff = debiased_ece_difference(audits["exploration-weighted", "trace"], reference, resamples=1000)
     assert lines[4][4] == f"{diff['difference']:+.3f} [{diff['low']:+.3f}, {diff['high']:+.3f}]"
     assert lines[4][4] != rows["`trace`"][4] and "explore_weight: balanced" in lines[4][1]
-    assert "explore_weight: 4" in lines[5][1]
-    assert "seeds 0-3 (those both reports hold)" in text and "no correction over the 10 differences" in text
+    assert "explore_weight: 4" in lines[5][1] and "labels: branch_point" in lines[6][1]
+    assert "seeds 0-3 (those both reports hold)" in text and "no correction over the 12 differences" in text
     del stages_entries["trace_root"]["audit_diagrams"]
     (tmp_path / "reports" / "runs" / "stages" / "metrics.json").write_text(
         json.dumps({"ablations": stages_entries, "warmup": {}}))
