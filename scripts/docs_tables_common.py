@@ -27,7 +27,8 @@ INDEX = RUNS / "index.yaml"
 ABLATION_REPORTS = ("default", "paper", "long", "all-arms", "predictor", "tokens", "reliability", "recalibrated",
                     "isotonic", "paper-warmups", "paper-w0", "paper-w1", "exploration-base", "exploration",
                     "exploration-window4", "exploration-epochs3", "exploration-recalibrated", "exploration-weighted",
-                    "exploration-weight4", "labels-branch", "stages")
+                    "exploration-weight4", "labels-branch", "exploration-weighted1",
+                    "stages")
 PRESET_REPORTS = ("hotpotqa", "gsm8k", "bfcl")
 
 

@@ -32,10 +32,12 @@ EXPLORATION_REPORTS = {"exploration-base": "none (`trace` as by default)",
                        "exploration-weighted": "2 a step, weighted for the candidates stage 1 passed over "
                                                "(`predictor.explore_weight: balanced`)",
                        "exploration-weight4": "2 a step, each root weighing 4 (`predictor.explore_weight: 4`)",
-                       "labels-branch": "none, labelled at the branch point (`predictor.labels: branch_point`)"}
+                       "labels-branch": "none, labelled at the branch point (`predictor.labels: branch_point`)",
+                       "exploration-weighted1": "1 a step, weighted for the candidates stage 1 passed over "
+                                                "(`allocation.explore_groups: 1`, `predictor.explore_weight: balanced`)"}
 # index key -> a second reference it is also paired with (what it adds to that run alone)
 EXPLORATION_PAIRS = {"exploration-recalibrated": "exploration", "exploration-weighted": "exploration",
-                     "exploration-weight4": "exploration-weighted"}
+                     "exploration-weight4": "exploration-weighted", "exploration-weighted1": "exploration-weighted"}
 # index key -> the arms of that report the stages table reads, with what their stage 1 and stage 2 do
 STAGE_ARMS = {"exploration-base": {"tree_random": ("uniform", "random anchors"),
                                    "trace": ("by forecast", "by forecast")},
