@@ -28,7 +28,7 @@ ABLATION_REPORTS = ("default", "paper", "long", "all-arms", "predictor", "tokens
                     "isotonic", "paper-warmups", "paper-w0", "paper-w1", "exploration-base", "exploration",
                     "exploration-window4", "exploration-epochs3", "exploration-recalibrated", "exploration-weighted",
                     "exploration-weight4", "labels-branch", "exploration-weighted1",
-                    "stages")
+                    "window4", "stages")
 PRESET_REPORTS = ("hotpotqa", "gsm8k", "bfcl")
 
 

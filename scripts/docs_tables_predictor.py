@@ -34,7 +34,8 @@ EXPLORATION_REPORTS = {"exploration-base": "none (`trace` as by default)",
                        "exploration-weight4": "2 a step, each root weighing 4 (`predictor.explore_weight: 4`)",
                        "labels-branch": "none, labelled at the branch point (`predictor.labels: branch_point`)",
                        "exploration-weighted1": "1 a step, weighted for the candidates stage 1 passed over "
-                                                "(`allocation.explore_groups: 1`, `predictor.explore_weight: balanced`)"}
+                                                "(`allocation.explore_groups: 1`, `predictor.explore_weight: balanced`)",
+                       "window4": "none, window of 4 steps (`predictor.window_steps: 4`)"}
 # index key -> a second reference it is also paired with (what it adds to that run alone)
 EXPLORATION_PAIRS = {"exploration-recalibrated": "exploration", "exploration-weighted": "exploration",
                      "exploration-weight4": "exploration-weighted", "exploration-weighted1": "exploration-weighted"}
