@@ -26,6 +26,9 @@ class PredictorKind(str, Enum):
     HISTORY_PATH = "history_path"  # prompt history + simulator observations along the prefix (benchmarks)
 
 
+LabelScheme = Literal["subtree", "branch_point"]  # predictor.labels (trace.predictor.labels)
+
+
 class TruthConfig(Section):
     """Monte-Carlo truth for the predictor on an unselected sample (docs/method.md#ground-truth-audit).
 
@@ -77,7 +80,7 @@ class PredictorConfig(Section):
         1.0, description="weight of an exploration group's root in the predictor's fit, against 1 for a root stage "
         "1 chose: a number > 0, or balanced = (candidates stage 1 passed over) / (exploration groups) per step, "
         "trace.training.exploration_weights; needs allocation.explore_groups > 0 where not 1")
-    labels: Literal["subtree", "branch_point"] = Field(
+    labels: LabelScheme = Field(
         "subtree", description="what a node's label counts: subtree = every leaf below it; branch_point = the "
         "trajectories sampled at or above it, so a continuation counts for its anchor and the nodes below, not for "
         "the anchor's ancestors (trace.predictor.labels)")

@@ -14,13 +14,14 @@ reward and a weight, the number of outcomes it stands for (``predictor.labels``)
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, get_args
 
 import numpy as np
 
+from trace.configuration.config_predictor import LabelScheme
 from trace.tree import Origin, RolloutTree
 
-LABEL_SCHEMES = ("subtree", "branch_point")
+LABEL_SCHEMES = get_args(LabelScheme)  # the values predictor.labels accepts
 
 
 def labelled_node_ids(tree: RolloutTree) -> list[int]:
