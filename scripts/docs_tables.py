@@ -43,7 +43,7 @@ from scripts.docs_tables_benchmarks import (allocation_objectives_table, allocat
                                             step_dtype_table, warmup_sweep_table)
 from scripts.docs_tables_common import INDEX, RUNS, Context, DocsTableError, read_index
 from scripts.docs_tables_presets import PRESET_REPORTS, preset_table, presets_table
-from scripts.docs_tables_predictor import calibration_table, exploration_table, stages_table
+from scripts.docs_tables_predictor import calibration_table, exploration_table, power_table, stages_table
 from scripts.docs_tables_warmups import warmups_table
 from scripts.docs_tables_runs import (ABLATION_REPORTS, LEARNING_BAR, accounting_table, arms_table, audit_table, gain_avgk_table,
                                       gain_table, overview_table, primary_table, regime_table, tokens_to_target_table,
@@ -97,6 +97,7 @@ def tables() -> dict[str, Callable[[Context], str]]:
     out["predictor-calibration"] = calibration_table
     out["predictor-exploration"] = exploration_table
     out["predictor-stages"] = stages_table
+    out["predictor-power"] = power_table
     out["paper-warmups-components"] = warmups_table
     return out
 

@@ -3,7 +3,9 @@
   (the Platt map, then the isotonic one), from three run reports (index keys ``reliability``, ``recalibrated`` and
   ``isotonic``) with the same seeds and params but those switches;
 - ``exploration_table``: ``trace`` without and with exploration groups (``allocation.explore_groups``), from two run
-  reports of one CPU (index keys ``exploration-base``, beside ``tree_random``, and ``exploration``).
+  reports of one CPU (index keys ``exploration-base``, beside ``tree_random``, and ``exploration``);
+- ``stages_table``: which stage's choices cost the forecasts their calibration (``STAGE_ARMS``);
+- ``power_table``: ``trace`` as by default audited every 10 steps and every 2 (``POWER_REPORTS``), against the bar.
 
 The decisive score is the pooled ECE: the ECE of the reliability diagram pooled over the audited steps (and seeds),
 ``trace.predictor.reliability.diagram_ece``; the mean of per-audit ECEs stands beside it. The runs pair by
@@ -15,10 +17,11 @@ from __future__ import annotations
 from scripts.docs_tables_common import Context, _missing, _num, _pm, _source, _table
 from trace.reporting.statistics import mean_interval, paired_difference
 
-__all__ = ["CALIBRATION_REPORTS", "EXPLORATION_PAIRS", "EXPLORATION_REPORTS", "STAGE_ARMS", "calibration_table",
-           "exploration_table", "stages_table"]
+__all__ = ["CALIBRATION_REPORTS", "EXPLORATION_PAIRS", "EXPLORATION_REPORTS", "POWER_REPORTS", "STAGE_ARMS",
+           "calibration_table", "exploration_table", "power_table", "stages_table"]
 
 ARM = "trace"
+AVGK = "eval/accuracy/mean_at_8"
 # index key -> what the allocator reads in that report
 CALIBRATION_REPORTS = {"reliability": "the predictor's forecasts", "recalibrated": "Platt map (`predictor.recalibrate`)",
                        "isotonic": "isotonic map (`recalibrate_map: isotonic`)"}
@@ -49,9 +52,13 @@ STAGE_ARMS = {"exploration-base": {"tree_random": ("uniform", "random anchors"),
                                                 "(`predictor.explore_weight: 4`)", "by forecast")},
               "labels-branch": {"trace": ("by forecast, labelled at the branch point "
                                           "(`predictor.labels: branch_point`)", "by forecast")}}
+# index key -> its audit: the same `trace` run (same seeds, params and warmup) audited sparsely, then densely
+POWER_REPORTS = {"exploration-base": "every 10 steps, 32 roots and 64 prefixes",
+                 "audit-dense": "every 2 steps, 32 roots and 128 prefixes"}
+ECE_BAR = 0.05  # the debiased ECE a calibrated predictor reads at most, per stage (docs/results.md)
+SAME_TRAINING = ("audit/flips", "audit/mixed_groups", AVGK, "eval/accuracy/greedy")  # equal per seed: one training
 STAGE_REFERENCE = ("exploration-base", "tree_random")  # (index key, arm) every other row is paired with
 STAGE_RESAMPLES = 1000
-AVGK = "eval/accuracy/mean_at_8"
 PLURAL = {"root": "roots", "prefix": "prefixes"}
 
 
@@ -280,3 +287,56 @@ def stages_table(ctx: Context) -> str:
               "prefixes: debiased ECE (floor)", f"minus `{reference}`"]
     return (_table(header, rows, ["---", "---", "---", "---:", "---:", "---:", "---:"]) + "\n\n" + note
             + " ".join(_source(ctx, f) for f in folders))
+
+
+def _bar_verdict(point: float, low: float, high: float) -> str:
+    """Where a debiased ECE and its interval stand against ``ECE_BAR``."""
+    if high <= ECE_BAR:
+        return f"below {ECE_BAR:g}: met"
+    if low > ECE_BAR:
+        return f"above {ECE_BAR:g}: missed"
+    where = "at or below" if point <= ECE_BAR else "above"
+    return f"{where} {ECE_BAR:g} at the point; above {_num(high)} excluded"
+
+
+def power_table(ctx: Context) -> str:
+    """``trace`` as by default against the calibration bar, audited sparsely and densely (``POWER_REPORTS``): per
+    audit and stage, the audits a seed, the outcomes pooled, the debiased ECE with its bootstrap interval and floor,
+    AUC and resolution, and where the ECE stands against ``ECE_BAR``. The note says whether the two runs trained
+    alike at every seed (``SAME_TRAINING``): the audit's rollouts never train, so they must."""
+    entries = _audited_reports(ctx, POWER_REPORTS)
+    if isinstance(entries, str):
+        return entries
+    rows = []
+    for key, (_, entry, _) in entries.items():
+        for stage in ("root", "prefix"):
+            counts = {len(a) for a in entry["audit_diagrams"][stage].values()}
+            outcomes = sum(r["count"] for r in entry["reliability"][stage])
+            point, iv = entry["debiased_ece"][stage], entry["debiased_ece_interval"][stage]
+            audit = entry["audit"]
+            rows.append([POWER_REPORTS[key], stage, "-".join(map(str, sorted(counts))), _num(outcomes, 0),
+                         f"{_num(point)} [{_num(iv['low'])}, {_num(iv['high'])}]", _num(entry["ece_floor"][stage]),
+                         _pm(audit.get(f"truth/{stage}_auc")), _pm(audit.get(f"truth/{stage}_resolution")),
+                         _bar_verdict(point, iv["low"], iv["high"])])
+    (sparse_key, (_, sparse, _)), (dense_key, (_, dense, _)) = list(entries.items())[:2]
+    seeds = sorted(set(_per_seed(sparse, AVGK)) & set(_per_seed(dense, AVGK)))
+    differ = [name for name in SAME_TRAINING
+              if any(_per_seed(sparse, name).get(s) != _per_seed(dense, name).get(s) for s in seeds)]
+    training = ("trained alike: " + ", ".join(f"`{n}`" for n in SAME_TRAINING) + " equal at every seed" if not differ
+                else "trained differently: " + ", ".join(f"`{n}`" for n in differ) + " differ")
+    cost = "; ".join(f"{POWER_REPORTS[k]}: {_num(_per_mean(e, 'truth/rollouts'), 0)}" for k, (_, e, _) in entries.items())
+    note = (f"`trace` as by default, 80 steps, seeds {_seed_range(dense)}, one CPU, its forecasts on the unselected "
+            "sample against Monte-Carlo truth (16 continuations an item): the debiased ECE [95 % bootstrap interval, "
+            "seeds then audits resampled] (floor: what a predictor calibrated in every bin reads on the same audits), "
+            "AUC and resolution as mean over the audits, then over seeds ± 95 % t half-width. The two runs "
+            f"({sparse_key}, {dense_key}) {training}: the audit's rollouts change nothing the arm trains on, so the "
+            f"rows score one predictor at every seed. Audit rollouts an audited step, outside the budget: {cost}. ")
+    return (_table(["audit", "stage", "audits a seed", "outcomes", "debiased ECE", "floor", "AUC", "resolution",
+                    f"against {ECE_BAR:g}"], rows, ["---", "---", "---:", "---:", "---:", "---:", "---:", "---:", "---"])
+            + "\n\n" + note + " ".join(_source(ctx, folder) for folder, _, _ in entries.values()))
+
+
+def _per_mean(entry: dict, key: str) -> float:
+    """The mean over seeds of an audit mean (``audit_seeds``)."""
+    values = list(_seeds(entry["audit_seeds"].get(key)).values())
+    return sum(values) / len(values) if values else float("nan")

@@ -476,6 +476,47 @@ def test_the_stages_table_pairs_each_arm_with_tree_random_by_seed_across_reports
     assert "has no per-audit diagrams of `trace_root`" in stages_table(ctx)
 
 
+def test_the_power_table_judges_each_audit_against_the_bar_and_checks_both_runs_trained_alike(tmp_path):
+    from scripts.docs_tables_predictor import POWER_REPORTS, power_table
+
+    def entry(debiased: dict, audits: int, flips: float) -> dict:
+        rows = {"root": [{"lower": 0.4, "count": 512.0 * audits}], "prefix": [{"lower": 0.5, "count": 1024.0 * audits}]}
+        seeds = {"s0": flips, "s1": flips + 1, "s2": flips + 2}
+        return {"pooled_ece": {"root": 0.05, "prefix": 0.06}, "pooled_ece_seeds": {"root": seeds, "prefix": seeds},
+                "debiased_ece": {k: v[0] for k, v in debiased.items()}, "ece_floor": {"root": 0.01, "prefix": 0.02},
+                "debiased_ece_interval": {k: {"low": v[1], "high": v[2]} for k, v in debiased.items()},
+                "reliability": rows, "audit_diagrams": {k: {s: [[]] * audits for s in seeds} for k in rows},
+                "audit": {}, "audit_seeds": {"audit/flips": seeds, "audit/mixed_groups": seeds,
+                                             "truth/rollouts": {"s0": 100.0 * audits, "s1": 100.0 * audits}},
+                **{s: {"eval/accuracy/mean_at_8": 0.4, "eval/accuracy/greedy": 0.5} for s in seeds}}
+
+    sparse = entry({"root": (0.043, 0.028, 0.066), "prefix": (0.06, 0.052, 0.08)}, 8, 14.0)
+    dense = entry({"root": (0.042, 0.033, 0.048), "prefix": (0.047, 0.039, 0.055)}, 40, 14.0)
+    index = {}
+    for key, arm in zip(POWER_REPORTS, (sparse, dense)):
+        folder = tmp_path / "reports" / "runs" / key
+        folder.mkdir(parents=True)
+        (folder / "metrics.json").write_text(json.dumps({"ablations": {"trace": arm}, "warmup": {}}))
+        index[key] = key
+    ctx = docs_tables.Context(root=tmp_path, doc=tmp_path / "docs" / "results.md", index=index)
+    text = power_table(ctx)
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| every")]
+    assert [(r[1], r[2], r[3], r[4]) for r in rows] == [("root", "8", "4,096", "0.043 [0.028, 0.066]"),
+                                                        ("prefix", "8", "8,192", "0.060 [0.052, 0.080]"),
+                                                        ("root", "40", "20,480", "0.042 [0.033, 0.048]"),
+                                                        ("prefix", "40", "40,960", "0.047 [0.039, 0.055]")]
+    assert [r[-1].rstrip(" |") for r in rows] == ["at or below 0.05 at the point; above 0.066 excluded",
+                                                  "above 0.05: missed", "below 0.05: met",
+                                                  "at or below 0.05 at the point; above 0.055 excluded"]
+    assert "trained alike" in text and "32 roots and 128 prefixes: 4,000" in text
+    # a run that trained differently is named, with what differs
+    (tmp_path / "reports" / "runs" / "audit-dense" / "metrics.json").write_text(
+        json.dumps({"ablations": {"trace": entry({"root": (0.04, 0.03, 0.05), "prefix": (0.04, 0.03, 0.05)}, 40, 15.0)},
+                    "warmup": {}}))
+    text = power_table(ctx)
+    assert "trained differently: `audit/flips`, `audit/mixed_groups` differ" in text and "trained alike" not in text
+
+
 def test_the_accounting_table_gives_each_arms_steps_and_tokens_per_seed(tmp_path):
     iv = lambda mean: {"mean": mean, "low": mean, "high": mean, "n": 2}  # noqa: E731
     ablations = {arm: {"mean": {"eval greedy": iv(0.5)},
