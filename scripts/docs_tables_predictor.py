@@ -5,7 +5,8 @@
 - ``exploration_table``: ``trace`` without and with exploration groups (``allocation.explore_groups``), from two run
   reports of one CPU (index keys ``exploration-base``, beside ``tree_random``, and ``exploration``);
 - ``stages_table``: which stage's choices cost the forecasts their calibration (``STAGE_ARMS``);
-- ``power_table``: ``trace`` as by default audited every 10 steps and every 2 (``POWER_REPORTS``), against the bar.
+- ``power_table``: ``trace``'s predictors audited every 10 steps and again every 2 (``POWER_REPORTS``), against the
+  bar.
 
 The decisive score is the pooled ECE: the ECE of the reliability diagram pooled over the audited steps (and seeds),
 ``trace.predictor.reliability.diagram_ece``; the mean of per-audit ECEs stands beside it. The runs pair by
@@ -52,9 +53,10 @@ STAGE_ARMS = {"exploration-base": {"tree_random": ("uniform", "random anchors"),
                                                 "(`predictor.explore_weight: 4`)", "by forecast")},
               "labels-branch": {"trace": ("by forecast, labelled at the branch point "
                                           "(`predictor.labels: branch_point`)", "by forecast")}}
-# index key -> its audit: the same `trace` run (same seeds, params and warmup) audited sparsely, then densely
-POWER_REPORTS = {"exploration-base": "every 10 steps, 32 roots and 64 prefixes",
-                 "audit-dense": "every 2 steps, 32 roots and 128 prefixes"}
+# index key -> (its `trace` predictor, its audit); each predictor's run audited sparsely, then again densely
+SPARSE, DENSE = "every 10 steps, 32 roots and 64 prefixes", "every 2 steps, 32 roots and 128 prefixes"
+POWER_REPORTS = {"exploration-base": ("as by default", SPARSE), "audit-dense": ("as by default", DENSE)}
+POWER_TWINS = {"audit-dense": "exploration-base"}  # dense run -> the sparse run it audits again (the first: reference)
 ECE_BAR = 0.05  # the debiased ECE a calibrated predictor reads at most, per stage (docs/results.md)
 SAME_TRAINING = ("audit/flips", "audit/mixed_groups", AVGK, "eval/accuracy/greedy")  # equal per seed: one training
 STAGE_REFERENCE = ("exploration-base", "tree_random")  # (index key, arm) every other row is paired with
@@ -300,10 +302,14 @@ def _bar_verdict(point: float, low: float, high: float) -> str:
 
 
 def power_table(ctx: Context) -> str:
-    """``trace`` as by default against the calibration bar, audited sparsely and densely (``POWER_REPORTS``): per
-    audit and stage, the audits a seed, the outcomes pooled, the debiased ECE with its bootstrap interval and floor,
-    AUC and resolution, and where the ECE stands against ``ECE_BAR``. The note says whether the two runs trained
-    alike at every seed (``SAME_TRAINING``): the audit's rollouts never train, so they must."""
+    """``trace``'s predictors against the calibration bar, each audited sparsely and again densely
+    (``POWER_REPORTS``): per report and stage, the audits a seed, the outcomes pooled, the debiased ECE with its
+    bootstrap interval and floor, AUC and resolution, and where the ECE stands against ``ECE_BAR``. The note says
+    whether each dense run trained as the sparse run it audits again (``POWER_TWINS``, ``SAME_TRAINING``: the
+    audit's rollouts never train, so it must), and gives each later dense run minus the first, paired by seed
+    (``debiased_ece_difference``)."""
+    from trace.predictor.reliability import debiased_ece_difference, expand_rows
+
     entries = _audited_reports(ctx, POWER_REPORTS)
     if isinstance(entries, str):
         return entries
@@ -314,25 +320,44 @@ def power_table(ctx: Context) -> str:
             outcomes = sum(r["count"] for r in entry["reliability"][stage])
             point, iv = entry["debiased_ece"][stage], entry["debiased_ece_interval"][stage]
             audit = entry["audit"]
-            rows.append([POWER_REPORTS[key], stage, "-".join(map(str, sorted(counts))), _num(outcomes, 0),
+            rows.append([*POWER_REPORTS[key], stage, "-".join(map(str, sorted(counts))), _num(outcomes, 0),
                          f"{_num(point)} [{_num(iv['low'])}, {_num(iv['high'])}]", _num(entry["ece_floor"][stage]),
                          _pm(audit.get(f"truth/{stage}_auc")), _pm(audit.get(f"truth/{stage}_resolution")),
                          _bar_verdict(point, iv["low"], iv["high"])])
-    (sparse_key, (_, sparse, _)), (dense_key, (_, dense, _)) = list(entries.items())[:2]
-    seeds = sorted(set(_per_seed(sparse, AVGK)) & set(_per_seed(dense, AVGK)))
-    differ = [name for name in SAME_TRAINING
-              if any(_per_seed(sparse, name).get(s) != _per_seed(dense, name).get(s) for s in seeds)]
-    training = ("trained alike: " + ", ".join(f"`{n}`" for n in SAME_TRAINING) + " equal at every seed" if not differ
-                else "trained differently: " + ", ".join(f"`{n}`" for n in differ) + " differ")
-    cost = "; ".join(f"{POWER_REPORTS[k]}: {_num(_per_mean(e, 'truth/rollouts'), 0)}" for k, (_, e, _) in entries.items())
-    note = (f"`trace` as by default, 80 steps, seeds {_seed_range(dense)}, one CPU, its forecasts on the unselected "
+    twins = []
+    for dense_key, sparse_key in POWER_TWINS.items():
+        dense, sparse = entries[dense_key][1], entries[sparse_key][1]
+        seeds = sorted(set(_per_seed(sparse, AVGK)) & set(_per_seed(dense, AVGK)))
+        differ = [name for name in SAME_TRAINING
+                  if any(_per_seed(sparse, name).get(s) != _per_seed(dense, name).get(s) for s in seeds)]
+        twins.append(f"`{dense_key}` and `{sparse_key}` " + (
+            "trained alike (" + ", ".join(f"`{n}`" for n in SAME_TRAINING) + " equal at every seed)" if not differ
+            else "trained differently (" + ", ".join(f"`{n}`" for n in differ) + " differ)"))
+    diagrams = {key: {stage: {int(s[1:]): [expand_rows(a) for a in runs]
+                              for s, runs in entries[key][1]["audit_diagrams"][stage].items()} for stage in PLURAL}
+                for key in POWER_TWINS}
+    first, *later = POWER_TWINS
+    paired = []
+    for key in later:
+        for stage in PLURAL:
+            diff = debiased_ece_difference(diagrams[key][stage], diagrams[first][stage])
+            paired.append(f"{PLURAL[stage]} {_num(diff['difference'], 3, True)} [{_num(diff['low'], 3, True)}, "
+                          f"{_num(diff['high'], 3, True)}]")
+        paired[-2] = f"`{key}` minus `{first}`, paired by seed: " + paired[-2]
+    costs = {POWER_REPORTS[k][1]: _per_mean(e, "truth/rollouts") for k, (_, e, _) in entries.items()}
+    note = (f"`trace`, 80 steps, seeds {_seed_range(entries[first][1])}, one CPU, its forecasts on the unselected "
             "sample against Monte-Carlo truth (16 continuations an item): the debiased ECE [95 % bootstrap interval, "
             "seeds then audits resampled] (floor: what a predictor calibrated in every bin reads on the same audits), "
-            "AUC and resolution as mean over the audits, then over seeds ± 95 % t half-width. The two runs "
-            f"({sparse_key}, {dense_key}) {training}: the audit's rollouts change nothing the arm trains on, so the "
-            f"rows score one predictor at every seed. Audit rollouts an audited step, outside the budget: {cost}. ")
-    return (_table(["audit", "stage", "audits a seed", "outcomes", "debiased ECE", "floor", "AUC", "resolution",
-                    f"against {ECE_BAR:g}"], rows, ["---", "---", "---:", "---:", "---:", "---:", "---:", "---:", "---"])
+            "AUC and resolution as mean over the audits, then over seeds ± 95 % t half-width. Each dense run against "
+            "the sparse one it audits again: " + "; ".join(twins)
+            + ": the audit's rollouts change nothing the arm trains on, so each pair of rows scores one predictor at "
+            "every seed." + (" Debiased ECE, " + "; ".join(paired) + " (2,000 resamples, the seeds drawn once for "
+                             "both)." if paired else "")
+            + " Audit rollouts an audited step, outside the budget: "
+            + "; ".join(f"{what}: {_num(n, 0)}" for what, n in costs.items()) + ". ")
+    return (_table(["predictor", "audit", "stage", "audits a seed", "outcomes", "debiased ECE", "floor", "AUC",
+                    "resolution", f"against {ECE_BAR:g}"], rows,
+                   ["---", "---", "---", "---:", "---:", "---:", "---:", "---:", "---:", "---"])
             + "\n\n" + note + " ".join(_source(ctx, folder) for folder, _, _ in entries.values()))
 
 

@@ -476,45 +476,66 @@ def test_the_stages_table_pairs_each_arm_with_tree_random_by_seed_across_reports
     assert "has no per-audit diagrams of `trace_root`" in stages_table(ctx)
 
 
-def test_the_power_table_judges_each_audit_against_the_bar_and_checks_both_runs_trained_alike(tmp_path):
-    from scripts.docs_tables_predictor import POWER_REPORTS, power_table
+def test_the_power_table_judges_each_audit_against_the_bar_and_checks_each_dense_run_trained_alike(tmp_path,
+                                                                                                  monkeypatch):
+    from tests.test_reliability import _seed_audits
+    from scripts import docs_tables_predictor as predictor_tables
+    from trace.predictor.reliability import compact_rows, debiased_ece_difference
 
-    def entry(debiased: dict, audits: int, flips: float) -> dict:
-        rows = {"root": [{"lower": 0.4, "count": 512.0 * audits}], "prefix": [{"lower": 0.5, "count": 1024.0 * audits}]}
-        seeds = {"s0": flips, "s1": flips + 1, "s2": flips + 2}
+    rng = np.random.default_rng(5)
+    monkeypatch.setattr(predictor_tables, "POWER_REPORTS", {"a": ("own", "sparse"), "a-dense": ("own", "dense"),
+                                                            "b": ("other", "sparse"), "b-dense": ("other", "dense")})
+    monkeypatch.setattr(predictor_tables, "POWER_TWINS", {"a-dense": "a", "b-dense": "b"})
+    draws = {gap: [_seed_audits(rng, 4, gap) for _ in range(5)] for gap in (0.0, 0.08)}  # 40 audits a seed
+    audits = {key: {s: [a for draw in draws[gap] for a in draw[s]] for s in range(4)}
+              for key, gap in (("a-dense", 0.0), ("b-dense", 0.08))}
+
+    def entry(key: str, debiased: dict, flips: float) -> dict:
+        n = 40 if key.endswith("dense") else 8
+        seeds = {f"s{s}": flips + s for s in range(4)}
+        runs = audits.get(key, {s: [[]] * n for s in range(4)})
         return {"pooled_ece": {"root": 0.05, "prefix": 0.06}, "pooled_ece_seeds": {"root": seeds, "prefix": seeds},
                 "debiased_ece": {k: v[0] for k, v in debiased.items()}, "ece_floor": {"root": 0.01, "prefix": 0.02},
                 "debiased_ece_interval": {k: {"low": v[1], "high": v[2]} for k, v in debiased.items()},
-                "reliability": rows, "audit_diagrams": {k: {s: [[]] * audits for s in seeds} for k in rows},
+                "reliability": {"root": [{"count": 512.0 * n}], "prefix": [{"count": 1024.0 * n}]},
+                "audit_diagrams": {k: {f"s{s}": [compact_rows(a) if a else [] for a in r] for s, r in runs.items()}
+                                   for k in ("root", "prefix")},
                 "audit": {}, "audit_seeds": {"audit/flips": seeds, "audit/mixed_groups": seeds,
-                                             "truth/rollouts": {"s0": 100.0 * audits, "s1": 100.0 * audits}},
+                                             "truth/rollouts": {"s0": 100.0 * n, "s1": 100.0 * n}},
                 **{s: {"eval/accuracy/mean_at_8": 0.4, "eval/accuracy/greedy": 0.5} for s in seeds}}
 
-    sparse = entry({"root": (0.043, 0.028, 0.066), "prefix": (0.06, 0.052, 0.08)}, 8, 14.0)
-    dense = entry({"root": (0.042, 0.033, 0.048), "prefix": (0.047, 0.039, 0.055)}, 40, 14.0)
+    readings = {"a": {"root": (0.043, 0.028, 0.066), "prefix": (0.06, 0.052, 0.08)},
+                "a-dense": {"root": (0.042, 0.033, 0.048), "prefix": (0.047, 0.039, 0.055)},
+                "b": {"root": (0.05, 0.03, 0.07), "prefix": (0.04, 0.02, 0.07)},
+                "b-dense": {"root": (0.052, 0.04, 0.06), "prefix": (0.058, 0.052, 0.066)}}
     index = {}
-    for key, arm in zip(POWER_REPORTS, (sparse, dense)):
+    for key, debiased in readings.items():
         folder = tmp_path / "reports" / "runs" / key
         folder.mkdir(parents=True)
-        (folder / "metrics.json").write_text(json.dumps({"ablations": {"trace": arm}, "warmup": {}}))
+        flips = 15.0 if key == "b" else 14.0  # b-dense trained otherwise than the run it audits again
+        (folder / "metrics.json").write_text(json.dumps({"ablations": {"trace": entry(key, debiased, flips)},
+                                                         "warmup": {}}))
         index[key] = key
-    ctx = docs_tables.Context(root=tmp_path, doc=tmp_path / "docs" / "results.md", index=index)
-    text = power_table(ctx)
-    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| every")]
-    assert [(r[1], r[2], r[3], r[4]) for r in rows] == [("root", "8", "4,096", "0.043 [0.028, 0.066]"),
-                                                        ("prefix", "8", "8,192", "0.060 [0.052, 0.080]"),
-                                                        ("root", "40", "20,480", "0.042 [0.033, 0.048]"),
-                                                        ("prefix", "40", "40,960", "0.047 [0.039, 0.055]")]
-    assert [r[-1].rstrip(" |") for r in rows] == ["at or below 0.05 at the point; above 0.066 excluded",
-                                                  "above 0.05: missed", "below 0.05: met",
-                                                  "at or below 0.05 at the point; above 0.055 excluded"]
-    assert "trained alike" in text and "32 roots and 128 prefixes: 4,000" in text
-    # a run that trained differently is named, with what differs
-    (tmp_path / "reports" / "runs" / "audit-dense" / "metrics.json").write_text(
-        json.dumps({"ablations": {"trace": entry({"root": (0.04, 0.03, 0.05), "prefix": (0.04, 0.03, 0.05)}, 40, 15.0)},
-                    "warmup": {}}))
-    text = power_table(ctx)
-    assert "trained differently: `audit/flips`, `audit/mixed_groups` differ" in text and "trained alike" not in text
+    text = predictor_tables.power_table(docs_tables.Context(root=tmp_path, doc=tmp_path / "docs" / "r.md", index=index))
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith(("| own", "| other"))]
+    assert [(r[1], r[2], r[3], r[4], r[5]) for r in rows[:4]] == [
+        ("sparse", "root", "8", "4,096", "0.043 [0.028, 0.066]"),
+        ("sparse", "prefix", "8", "8,192", "0.060 [0.052, 0.080]"),
+        ("dense", "root", "40", "20,480", "0.042 [0.033, 0.048]"),
+        ("dense", "prefix", "40", "40,960", "0.047 [0.039, 0.055]")]
+    assert [r[-1].rstrip(" |") for r in rows] == [
+        "at or below 0.05 at the point; above 0.066 excluded", "above 0.05: missed", "below 0.05: met",
+        "at or below 0.05 at the point; above 0.055 excluded", "at or below 0.05 at the point; above 0.070 excluded",
+        "at or below 0.05 at the point; above 0.070 excluded", "above 0.05 at the point; above 0.060 excluded",
+        "above 0.05: missed"]
+    assert "`a-dense` and `a` trained alike" in text
+    assert "`b-dense` and `b` trained differently (`audit/flips`, `audit/mixed_groups` differ)" in text
+    assert "dense: 4,000" in text and "sparse: 800" in text
+    # the later dense run minus the first, paired by seed, as debiased_ece_difference gives it
+    diff = debiased_ece_difference(audits["b-dense"], audits["a-dense"])
+    assert diff["low"] > 0
+    assert (f"`b-dense` minus `a-dense`, paired by seed: roots {diff['difference']:+.3f} [{diff['low']:+.3f}, "
+            f"{diff['high']:+.3f}]") in text
 
 
 def test_the_accounting_table_gives_each_arms_steps_and_tokens_per_seed(tmp_path):
