@@ -324,12 +324,13 @@ def power_table(ctx: Context) -> str:
                          f"{_num(point)} [{_num(iv['low'])}, {_num(iv['high'])}]", _num(entry["ece_floor"][stage]),
                          _pm(audit.get(f"truth/{stage}_auc")), _pm(audit.get(f"truth/{stage}_resolution")),
                          _bar_verdict(point, iv["low"], iv["high"])])
-    twins = []
+    twins, alike = [], True
     for dense_key, sparse_key in POWER_TWINS.items():
         dense, sparse = entries[dense_key][1], entries[sparse_key][1]
         seeds = sorted(set(_per_seed(sparse, AVGK)) & set(_per_seed(dense, AVGK)))
         differ = [name for name in SAME_TRAINING
                   if any(_per_seed(sparse, name).get(s) != _per_seed(dense, name).get(s) for s in seeds)]
+        alike = alike and not differ
         twins.append(f"`{dense_key}` and `{sparse_key}` " + (
             "trained alike (" + ", ".join(f"`{n}`" for n in SAME_TRAINING) + " equal at every seed)" if not differ
             else "trained differently (" + ", ".join(f"`{n}`" for n in differ) + " differ)"))
@@ -350,8 +351,9 @@ def power_table(ctx: Context) -> str:
             "seeds then audits resampled] (floor: what a predictor calibrated in every bin reads on the same audits), "
             "AUC and resolution as mean over the audits, then over seeds ± 95 % t half-width. Each dense run against "
             "the sparse one it audits again: " + "; ".join(twins)
-            + ": the audit's rollouts change nothing the arm trains on, so each pair of rows scores one predictor at "
-            "every seed." + (" Debiased ECE, " + "; ".join(paired) + " (2,000 resamples, the seeds drawn once for "
+            + (": the audit's rollouts change nothing the arm trains on, so each pair of rows scores one predictor "
+               "at every seed." if alike else ": a pair that trained differently does not score one predictor, and "
+               "its audits cannot be compared as one run's.") + (" Debiased ECE, " + "; ".join(paired) + " (2,000 resamples, the seeds drawn once for "
                              "both)." if paired else "")
             + " Audit rollouts an audited step, outside the budget: "
             + "; ".join(f"{what}: {_num(n, 0)}" for what, n in costs.items()) + ". ")

@@ -530,6 +530,7 @@ def test_the_power_table_judges_each_audit_against_the_bar_and_checks_each_dense
         "above 0.05: missed"]
     assert "`a-dense` and `a` trained alike" in text
     assert "`b-dense` and `b` trained differently (`audit/flips`, `audit/mixed_groups` differ)" in text
+    assert "a pair that trained differently does not score one predictor" in text and "so each pair" not in text
     assert "dense: 4,000" in text and "sparse: 800" in text
     # the later dense run minus the first, paired by seed, as debiased_ece_difference gives it
     diff = debiased_ece_difference(audits["b-dense"], audits["a-dense"])
