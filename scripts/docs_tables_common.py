@@ -20,7 +20,7 @@ INDEX = RUNS / "index.yaml"
 # (equal tokens), `trace`'s reliability diagrams with the predictor's forecasts and with the Platt and isotonic
 # maps, and without and with exploration groups (and two predictor fits, the root map fitted on them, their roots
 # weighted in the fit), stage 1 or stage 2 alone by forecast (trace_root, trace_prefix; read beside
-# exploration-base), the same `trace` audited every 2 steps (audit-dense), `make run-paper` over
+# exploration-base), `trace` audited every 2 steps (audit-dense, labels-dense), `make run-paper` over
 # warmups (the pooled study of scripts.warmup_study, in that format) and each warmup's own report in it (its w0/, w1/);
 # and the real-data
 # presets (that format too, or the earlier per-stage one: warmup_stage, <arm>.eval, <arm>.train_summary)
@@ -28,7 +28,7 @@ ABLATION_REPORTS = ("default", "paper", "long", "all-arms", "predictor", "tokens
                     "isotonic", "paper-warmups", "paper-w0", "paper-w1", "exploration-base", "exploration",
                     "exploration-window4", "exploration-epochs3", "exploration-recalibrated", "exploration-weighted",
                     "exploration-weight4", "labels-branch", "exploration-weighted1",
-                    "window4", "stages", "audit-dense")
+                    "window4", "stages", "audit-dense", "labels-dense")
 PRESET_REPORTS = ("hotpotqa", "gsm8k", "bfcl")
 
 

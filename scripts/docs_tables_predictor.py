@@ -55,8 +55,11 @@ STAGE_ARMS = {"exploration-base": {"tree_random": ("uniform", "random anchors"),
                                           "(`predictor.labels: branch_point`)", "by forecast")}}
 # index key -> (its `trace` predictor, its audit); each predictor's run audited sparsely, then again densely
 SPARSE, DENSE = "every 10 steps, 32 roots and 64 prefixes", "every 2 steps, 32 roots and 128 prefixes"
-POWER_REPORTS = {"exploration-base": ("as by default", SPARSE), "audit-dense": ("as by default", DENSE)}
-POWER_TWINS = {"audit-dense": "exploration-base"}  # dense run -> the sparse run it audits again (the first: reference)
+BRANCH_POINT = "labelled at the branch point (`predictor.labels: branch_point`)"
+POWER_REPORTS = {"exploration-base": ("as by default", SPARSE), "audit-dense": ("as by default", DENSE),
+                 "labels-branch": (BRANCH_POINT, SPARSE), "labels-dense": (BRANCH_POINT, DENSE)}
+POWER_TWINS = {"audit-dense": "exploration-base",  # dense run -> the sparse run it audits again (the first: reference)
+               "labels-dense": "labels-branch"}
 ECE_BAR = 0.05  # the debiased ECE a calibrated predictor reads at most, per stage (docs/results.md)
 SAME_TRAINING = ("audit/flips", "audit/mixed_groups", AVGK, "eval/accuracy/greedy")  # equal per seed: one training
 STAGE_REFERENCE = ("exploration-base", "tree_random")  # (index key, arm) every other row is paired with
@@ -345,7 +348,9 @@ def power_table(ctx: Context) -> str:
             paired.append(f"{PLURAL[stage]} {_num(diff['difference'], 3, True)} [{_num(diff['low'], 3, True)}, "
                           f"{_num(diff['high'], 3, True)}]")
         paired[-2] = f"`{key}` minus `{first}`, paired by seed: " + paired[-2]
-    costs = {POWER_REPORTS[k][1]: _per_mean(e, "truth/rollouts") for k, (_, e, _) in entries.items()}
+    costs: dict[str, list[float]] = {}  # audit -> each of its reports' mean rollouts an audited step
+    for key, (_, entry, _) in entries.items():
+        costs.setdefault(POWER_REPORTS[key][1], []).append(_per_mean(entry, "truth/rollouts"))
     note = (f"`trace`, 80 steps, seeds {_seed_range(entries[first][1])}, one CPU, its forecasts on the unselected "
             "sample against Monte-Carlo truth (16 continuations an item): the debiased ECE [95 % bootstrap interval, "
             "seeds then audits resampled] (floor: what a predictor calibrated in every bin reads on the same audits), "
@@ -356,7 +361,7 @@ def power_table(ctx: Context) -> str:
                "its audits cannot be compared as one run's.") + (" Debiased ECE, " + "; ".join(paired) + " (2,000 resamples, the seeds drawn once for "
                              "both)." if paired else "")
             + " Audit rollouts an audited step, outside the budget: "
-            + "; ".join(f"{what}: {_num(n, 0)}" for what, n in costs.items()) + ". ")
+            + "; ".join(f"{what}: {_num(sum(n) / len(n), 0)}" for what, n in costs.items()) + " (mean over its runs). ")
     return (_table(["predictor", "audit", "stage", "audits a seed", "outcomes", "debiased ECE", "floor", "AUC",
                     "resolution", f"against {ECE_BAR:g}"], rows,
                    ["---", "---", "---", "---:", "---:", "---:", "---:", "---:", "---:", "---"])
