@@ -244,7 +244,7 @@ def stages_table(ctx: Context) -> str:
     by forecast or not), over the seeds every report holds, the debiased ECE of roots and prefixes with its
     bootstrap interval and floor (``trace.predictor.reliability.calibration_noise``), and its difference from
     ``tree_random``'s paired by seed (``debiased_ece_difference``: the seeds drawn once for both)."""
-    from trace.predictor.reliability import calibration_noise, debiased_ece_difference, expand_rows, pool_diagrams, \
+    from trace.predictor.reliability import calibration_noise, debiased_ece_difference, pool_diagrams, \
         pooled_ece_interval
 
     audits, folders = {}, []
@@ -258,8 +258,7 @@ def stages_table(ctx: Context) -> str:
             if "audit_diagrams" not in entry:
                 return (f"The report of `{key}` has no per-audit diagrams of `{arm}` (written before they were kept): "
                         "write it again with `python -m flows.report` in its runs' checkout. " + _source(ctx, folder))
-            audits[key, arm] = {stage: {int(s[1:]): [expand_rows(rows) for rows in runs] for s, runs in by_seed.items()}
-                           for stage, by_seed in entry["audit_diagrams"].items()}
+            audits[key, arm] = _audit_diagrams(entry)
     seeds = sorted(set.intersection(*(set(a["root"]) for a in audits.values())))
     reference = STAGE_REFERENCE[1]
     rows = []
@@ -311,7 +310,7 @@ def power_table(ctx: Context) -> str:
     whether each dense run trained as the sparse run it audits again (``POWER_TWINS``, ``SAME_TRAINING``: the
     audit's rollouts never train, so it must), and gives each later dense run minus the first, paired by seed
     (``debiased_ece_difference``)."""
-    from trace.predictor.reliability import debiased_ece_difference, expand_rows
+    from trace.predictor.reliability import debiased_ece_difference
 
     entries = _audited_reports(ctx, POWER_REPORTS)
     if isinstance(entries, str):
@@ -337,9 +336,7 @@ def power_table(ctx: Context) -> str:
         twins.append(f"`{dense_key}` and `{sparse_key}` " + (
             "trained alike (" + ", ".join(f"`{n}`" for n in SAME_TRAINING) + " equal at every seed)" if not differ
             else "trained differently (" + ", ".join(f"`{n}`" for n in differ) + " differ)"))
-    diagrams = {key: {stage: {int(s[1:]): [expand_rows(a) for a in runs]
-                              for s, runs in entries[key][1]["audit_diagrams"][stage].items()} for stage in PLURAL}
-                for key in POWER_TWINS}
+    diagrams = {key: _audit_diagrams(entries[key][1]) for key in POWER_TWINS}
     first, *later = POWER_TWINS
     paired = []
     for key in later:
@@ -350,7 +347,8 @@ def power_table(ctx: Context) -> str:
         paired[-2] = f"`{key}` minus `{first}`, paired by seed: " + paired[-2]
     costs: dict[str, list[float]] = {}  # audit -> each of its reports' mean rollouts an audited step
     for key, (_, entry, _) in entries.items():
-        costs.setdefault(POWER_REPORTS[key][1], []).append(_per_mean(entry, "truth/rollouts"))
+        per_seed = _per_seed(entry, "truth/rollouts")
+        costs.setdefault(POWER_REPORTS[key][1], []).append(mean_interval(list(per_seed.values())).mean)
     note = (f"`trace`, 80 steps, seeds {_seed_range(entries[first][1])}, one CPU, its forecasts on the unselected "
             "sample against Monte-Carlo truth (16 continuations an item): the debiased ECE [95 % bootstrap interval, "
             "seeds then audits resampled] (floor: what a predictor calibrated in every bin reads on the same audits), "
@@ -358,17 +356,22 @@ def power_table(ctx: Context) -> str:
             "the sparse one it audits again: " + "; ".join(twins)
             + (": the audit's rollouts change nothing the arm trains on, so each pair of rows scores one predictor "
                "at every seed." if alike else ": a pair that trained differently does not score one predictor, and "
-               "its audits cannot be compared as one run's.") + (" Debiased ECE, " + "; ".join(paired) + " (2,000 resamples, the seeds drawn once for "
-                             "both)." if paired else "")
+               "its audits cannot be compared as one run's.")
+            + (" Debiased ECE, " + "; ".join(paired) + " (2,000 resamples, the seeds drawn once for both)."
+               if paired else "")
             + " Audit rollouts an audited step, outside the budget: "
-            + "; ".join(f"{what}: {_num(sum(n) / len(n), 0)}" for what, n in costs.items()) + " (mean over its runs). ")
+            + "; ".join(f"{what}: {_num(mean_interval(n).mean, 0)}" for what, n in costs.items())
+            + " (mean over its runs). ")
     return (_table(["predictor", "audit", "stage", "audits a seed", "outcomes", "debiased ECE", "floor", "AUC",
                     "resolution", f"against {ECE_BAR:g}"], rows,
                    ["---", "---", "---", "---:", "---:", "---:", "---:", "---:", "---:", "---"])
             + "\n\n" + note + " ".join(_source(ctx, folder) for folder, _, _ in entries.values()))
 
 
-def _per_mean(entry: dict, key: str) -> float:
-    """The mean over seeds of an audit mean (``audit_seeds``)."""
-    values = list(_seeds(entry["audit_seeds"].get(key)).values())
-    return sum(values) / len(values) if values else float("nan")
+def _audit_diagrams(entry: dict) -> dict[str, dict[int, list]]:
+    """An arm's report entry's per-audit diagrams, ``{stage: {seed: [rows of each audit]}}`` (``audit_diagrams``),
+    the rows expanded from their compact form (``trace.predictor.reliability.expand_rows``)."""
+    from trace.predictor.reliability import expand_rows
+
+    return {stage: {int(s[1:]): [expand_rows(rows) for rows in runs] for s, runs in by_seed.items()}
+            for stage, by_seed in entry["audit_diagrams"].items()}
